@@ -1,0 +1,164 @@
+"""The ``"acco"`` block of a DeepSpeed JSON config.
+
+Example::
+
+    "acco": {"enabled": true, "mode": "acco", "accumulation": "fixed"}
+
+The model follows DeepSpeed's own config models (``runtime/zero/config.py``):
+a ``DeepSpeedConfigModel`` (pydantic 2, unknown keys rejected, ``"auto"``
+treated as "use the default"), one documented field per key.
+"""
+
+from typing import Literal, Optional
+
+import torch
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.runtime.config import DtypeEnum
+from pydantic import Field, ValidationError, model_validator
+
+ACCO_KEY = "acco"
+
+
+class ACCOEmulationConfig(DeepSpeedConfigModel):
+    """Benchmark and test hooks that emulate a slow network or slow workers.
+
+    Never use these for real training: they only add sleeps. Every benchmark
+    row that uses them says so.
+    """
+
+    comm_delay_s: float = Field(0.0, ge=0.0)
+    """Extra seconds the communication side sleeps in every round before it
+    starts, on every rank (emulates a slow network)."""
+
+    slow_rank: int = -1
+    """Data-parallel rank whose compute is slowed (-1: none)."""
+
+    slow_factor: float = Field(1.0, ge=1.0)
+    """On ``slow_rank``, every micro-batch takes this many times as long: after
+    each backward the rank sleeps ``(slow_factor - 1) x`` the measured time of
+    that forward+backward."""
+
+
+class ACCOConfig(DeepSpeedConfigModel):
+    """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613)."""
+
+    enabled: bool = False
+    """Train with ACCO. ``false`` (or no block) gives stock DeepSpeed."""
+
+    mode: Literal["acco", "dpu", "sync"] = "acco"
+    """``acco``: two rounds per optimizer step, the first estimates the next
+    parameters with a Peek of the optimizer (delay compensation), the second
+    commits; communication of each half-batch hides behind the compute of the
+    next. ``dpu``: delayed parameter update, the paper's baseline: the step uses
+    the gradient of the previous batch. ``sync``: plain ZeRO-1 (no overlap),
+    for A/B comparisons; numerically equal to stock DeepSpeed ZeRO-1."""
+
+    accumulation: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: every round accumulates exactly its configured number of
+    micro-batches (``gradient_accumulation_steps / 2`` in ``acco`` mode,
+    ``gradient_accumulation_steps`` otherwise) and waits for the communication
+    if it is slower; deterministic. ``adaptive``: that number is a minimum;
+    while the round's communication is still in flight the worker keeps
+    accumulating, up to ``max_micro_batches_per_round``. Each worker's count is
+    reduced with its gradients, so the gradient stays the exact mean over all
+    micro-batches."""
+
+    max_micro_batches_per_round: Optional[int] = Field(None, ge=1)
+    """Upper bound of micro-batches per round in ``adaptive`` accumulation.
+    Default: 4 x the minimum."""
+
+    kernels: Literal["auto", "torch", "native"] = "auto"
+    """Implementation of the fused Adam update and gradient packing: ``native``
+    (C++/CUDA ops, an error if they do not build), ``torch`` (pure PyTorch),
+    ``auto`` (native when it loads, else torch with one log line)."""
+
+    timeout_s: float = Field(1800.0, gt=0.0)
+    """Timeout of the communication side's process group. If another rank
+    fails, every rank raises an error within about this time instead of
+    hanging."""
+
+    emulation: ACCOEmulationConfig = Field(default_factory=ACCOEmulationConfig)
+    """Benchmark/test only: see ``ACCOEmulationConfig``."""
+
+    @model_validator(mode="after")
+    def _check_adaptive(self):
+        if self.mode == "sync" and self.accumulation == "adaptive":
+            raise ValueError('acco.accumulation="adaptive" needs an overlapping mode: '
+                             'set acco.mode to "acco" or "dpu", or use accumulation="fixed" with mode="sync"')
+        return self
+
+    def micro_batches_per_round(self, gradient_accumulation_steps: int) -> int:
+        """Minimum (and, in fixed accumulation, exact) micro-batches per round."""
+        if self.mode == "acco":
+            return gradient_accumulation_steps // 2
+        return gradient_accumulation_steps
+
+    def max_micro_batches(self, gradient_accumulation_steps: int) -> int:
+        low = self.micro_batches_per_round(gradient_accumulation_steps)
+        if self.accumulation == "fixed":
+            return low
+        return self.max_micro_batches_per_round or 4 * low
+
+
+def parse_acco_config(ds_config: dict) -> ACCOConfig:
+    """Read the ``"acco"`` block of a DeepSpeed config dict (absent: disabled).
+
+    Raises ``ValueError`` that names the key and the accepted values.
+    """
+    block = ds_config.get(ACCO_KEY, None) if isinstance(ds_config, dict) else None
+    if block is None:
+        return ACCOConfig()
+    if not isinstance(block, dict):
+        raise ValueError(f'DeepSpeed config key "acco" must be an object such as '
+                         f'{{"enabled": true, "mode": "acco"}}, got {type(block).__name__}: {block!r}')
+    try:
+        return ACCOConfig(**block)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            key = "acco." + ".".join(str(p) for p in e["loc"]) if e["loc"] else "acco"
+            if e["type"] == "extra_forbidden":
+                known = ", ".join(ACCOConfig.model_fields)
+                lines.append(f'unknown key "{key}" (misspelled?). Known keys: {known}')
+            else:
+                lines.append(f'"{key}": {e["msg"]} (got {e.get("input")!r})')
+        raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
+
+
+def validate_against_deepspeed(acco: ACCOConfig, ds_config, *, is_pipeline: bool = False) -> None:
+    """Reject DeepSpeed settings that ACCO cannot run with, naming the fix.
+
+    ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``.
+    """
+    problems = []
+    if is_pipeline:
+        problems.append("pipeline parallelism (PipelineModule / PipelineEngine) is not supported by ACCO: "
+                        "train without a PipelineModule (Megatron-DeepSpeed: pass --no-pipeline-parallel)")
+    if getattr(ds_config, "hybrid_engine", None) is not None and ds_config.hybrid_engine.enabled:
+        problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false}')
+    stage = int(ds_config.zero_optimization_stage)
+    if stage != 1:
+        problems.append(f'ACCO shards optimizer states like ZeRO stage 1, but zero_optimization.stage is {stage}: '
+                        f'set "zero_optimization": {{"stage": 1}}')
+    gas = ds_config.gradient_accumulation_steps
+    if acco.mode == "acco" and gas % 2 != 0:
+        problems.append(f'acco.mode="acco" splits every optimizer step into two rounds of '
+                        f'gradient_accumulation_steps/2 micro-batches, so gradient_accumulation_steps must be even '
+                        f'(got {gas}): set it to {gas + 1 if gas > 1 else 2} or use acco.mode="dpu"/"sync"')
+    if acco.accumulation == "adaptive":
+        low = acco.micro_batches_per_round(gas)
+        high = acco.max_micro_batches(gas)
+        if high < low:
+            problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
+                            f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
+    zc = ds_config.zero_config
+    if zc.offload_optimizer is not None and zc.offload_optimizer.device.value != "none":
+        problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
+                        "communication side thread): remove offload_optimizer")
+    if ds_config.bfloat16_config.enabled and ds_config.grad_accum_dtype is not None \
+            and DtypeEnum(ds_config.grad_accum_dtype).value == torch.float32:
+        problems.append('data_types.grad_accum_dtype="fp32" with bf16 makes DeepSpeed use its BF16_Optimizer '
+                        'instead of ZeRO-1; ACCO always accumulates gradients in fp32 anyway: remove '
+                        'data_types.grad_accum_dtype')
+    if problems:
+        raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))

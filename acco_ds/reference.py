@@ -1,0 +1,162 @@
+"""Single-process reference simulator of ``acco``, ``dpu`` and ``sync`` training.
+
+This is the test oracle: it writes the update rules of DESIGN.md §1 as
+directly as possible, on one flat parameter vector, with ``W`` simulated
+workers that each draw micro-batches from their own stream. It knows nothing
+about threads, shards, buffers or DeepSpeed, so agreement between it and the
+engine means the engine computes the algorithm, not merely itself.
+
+    acco:  startup: gA = grads at θ0
+           step t:  θ̃_{t+1} = Peek(θ_t, gA)           (estimate round)
+                    gB = grads at θ_t
+                    θ_{t+1}  = Opt(θ_t, gA ∪ gB)        (real round)
+                    gA = grads at θ̃_{t+1}
+    dpu:   startup: g = grads at θ0;   step t: g' = grads at θ_t, θ_{t+1} = Opt(θ_t, g), g = g'
+    sync:  step t:  θ_{t+1} = Opt(θ_t, grads at θ_t)
+
+``g ∪ g'`` means the sum of both gradient sums divided by the total number of
+micro-batches. ``Peek`` runs the optimizer on a deep copy of its state and
+throws the copy away (the naive way the fused kernel replaces).
+"""
+
+import copy
+from typing import Callable, List, Optional
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """DeepSpeed ZeRO's clipping rule: divide by max(1, (norm + 1e-6) / max_norm)."""
+    if max_norm <= 0:
+        return 1.0
+    return 1.0 / max(1.0, (norm + 1e-6) / max_norm)
+
+
+class _Workers:
+    """W simulated workers sharing one model; worker w reads micro-batches
+    ``micro_batch(w, 0), micro_batch(w, 1), ...`` in order."""
+
+    def __init__(self, model, loss_fn, micro_batch, world_size, counts):
+        self.model, self.loss_fn, self.micro_batch = model, loss_fn, micro_batch
+        self.world_size, self.counts = world_size, counts
+        self.next = [0] * world_size
+        self.round = 0
+
+    def grads(self, theta: torch.Tensor):
+        """Sum of micro-batch gradients at ``theta`` over all workers for the
+        next round, and how many micro-batches went into it."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            vector_to_parameters(theta.to(params[0].dtype), params)
+        for p in params:
+            p.grad = None
+        n = 0
+        for w in range(self.world_size):
+            for _ in range(self.counts(self.round, w)):
+                loss = self.loss_fn(self.model, self.micro_batch(w, self.next[w]))
+                loss.backward()
+                self.next[w] += 1
+                n += 1
+        self.round += 1
+        g = parameters_to_vector([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        return g.to(theta.dtype), n
+
+
+def simulate(mode: str,
+             model: torch.nn.Module,
+             loss_fn: Callable,
+             micro_batch: Callable,
+             *,
+             world_size: int,
+             gradient_accumulation_steps: int,
+             steps: int,
+             optimizer_fn: Callable,
+             lr_lambda: Optional[Callable] = None,
+             clip: float = 0.0,
+             counts: Optional[Callable] = None,
+             dtype: torch.dtype = torch.float64) -> dict:
+    """Run ``steps`` committed optimizer steps and return
+    ``{"params": [θ_1, ..., θ_steps], "grad_norms": [...], "estimates": [θ̃_1, ...]}``
+    as flat vectors in ``dtype``.
+
+    Args:
+        mode: ``acco`` | ``dpu`` | ``sync``.
+        model: copied, converted to ``dtype``; its parameters in
+            ``model.parameters()`` order form θ.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; not divided by anything.
+        micro_batch: ``micro_batch(worker, i)`` gives worker's i-th micro-batch.
+        optimizer_fn: ``optimizer_fn(module)`` builds the torch optimizer over a
+            copy of ``model`` (so parameter groups work as in the engine).
+        lr_lambda: optional ``LambdaLR`` factor, stepped once per committed step.
+        clip: DeepSpeed's ``gradient_clipping`` (0: off).
+        counts: ``counts(round, worker)`` micro-batches per round (adaptive
+            accumulation); default: the fixed count of the mode.
+    """
+    worker_model = copy.deepcopy(model).to(dtype)
+    master = copy.deepcopy(model).to(dtype)
+    masters = [p for p in master.parameters() if p.requires_grad]
+    opt = optimizer_fn(master)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
+    per_round = gradient_accumulation_steps // 2 if mode == "acco" else gradient_accumulation_steps
+    workers = _Workers(worker_model, loss_fn, micro_batch, world_size, counts or (lambda r, w: per_round))
+    out = {"params": [], "grad_norms": [], "estimates": []}
+
+    def theta():
+        return parameters_to_vector([p.detach() for p in masters]).clone()
+
+    def update(g_sum, n, commit):
+        g = g_sum / n
+        norm = float(g.norm())
+        g = g * clip_coefficient(norm, clip)
+        if not commit:
+            saved_theta = theta()
+            saved_state = {p: copy.deepcopy(opt.state[p]) for p in masters if p in opt.state}
+        offset = 0
+        for p in masters:
+            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        result = theta()
+        for p in masters:
+            p.grad = None
+        if commit:
+            if sched is not None:
+                sched.step()
+            out["grad_norms"].append(norm)
+        else:
+            with torch.no_grad():
+                vector_to_parameters(saved_theta, masters)
+            opt.state.clear()
+            opt.state.update(saved_state)
+        return result
+
+    if mode == "sync":
+        for _ in range(steps):
+            g, n = workers.grads(theta())
+            out["params"].append(update(g, n, commit=True))
+    elif mode == "dpu":
+        g, n = workers.grads(theta())
+        for _ in range(steps):
+            g_next, n_next = workers.grads(theta())
+            out["params"].append(update(g, n, commit=True))
+            g, n = g_next, n_next
+    elif mode == "acco":
+        g_a, n_a = workers.grads(theta())
+        for _ in range(steps):
+            estimate = update(g_a, n_a, commit=False)
+            out["estimates"].append(estimate)
+            g_b, n_b = workers.grads(theta())
+            out["params"].append(update(g_a + g_b, n_a + n_b, commit=True))
+            g_a, n_a = workers.grads(estimate)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return out
+
+
+def flat_params(module: torch.nn.Module) -> torch.Tensor:
+    """θ of a module in the order ``simulate`` uses."""
+    return parameters_to_vector([p.detach() for p in module.parameters() if p.requires_grad])
+
+
+__all__: List[str] = ["simulate", "clip_coefficient", "flat_params"]

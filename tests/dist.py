@@ -1,0 +1,70 @@
+"""Launch test scenarios on several CPU ranks (gloo), with a hard timeout."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "workers.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None):
+    """Run ``workers.py`` with ``spec`` on ``world_size`` ranks; return each
+    rank's saved results (or, with ``expect_failure``, each rank's
+    ``(returncode, log)``). Never waits longer than ``timeout`` seconds."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="acco_test_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")]))
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = open(workdir / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_path), str(workdir)],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    for log in logs:
+        log.close()
+    texts = [(workdir / f"rank{r}.log").read_text() for r in range(world_size)]
+    if timed_out:
+        raise AssertionError(f"ranks did not finish within {timeout}s; logs:\n" + _tails(texts))
+    codes = [p.returncode for p in procs]
+    if expect_failure:
+        return list(zip(codes, texts))
+    if any(codes):
+        raise AssertionError(f"ranks failed with exit codes {codes}; logs:\n" + _tails(texts))
+    return [torch.load(workdir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _tails(texts, n=4000):
+    return "\n".join(f"--- rank {r} ---\n{t[-n:]}" for r, t in enumerate(texts))

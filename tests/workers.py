@@ -1,0 +1,141 @@
+"""One rank of a multi-process test: runs the scenario in spec.json and saves
+what it saw to result{rank}.pt. Started by tests/dist.py."""
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+
+import common
+
+
+class IncrementLR:
+    """A Megatron-style scheduler: ``step(increment=samples)``."""
+
+    def __init__(self, optimizer, samples_per_step):
+        self.optimizer, self.samples_per_step, self.samples = optimizer, samples_per_step, 0
+        self.base = [g["lr"] for g in optimizer.param_groups]
+        self._apply()
+
+    def _apply(self):
+        factor = common.lr_factor(self.samples // self.samples_per_step)
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = base * factor
+
+    def step(self, increment):
+        self.samples += increment
+        self._apply()
+
+    def state_dict(self):
+        return {"samples": self.samples}
+
+    def load_state_dict(self, sd):
+        self.samples = sd["samples"]
+        self._apply()
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+def flat(module):
+    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
+
+
+def run(spec, rank, world):
+    import deepspeed
+
+    import acco_ds
+    model = common.make_model(spec.get("seed", 0))
+    if spec.get("dtype") == "bf16":
+        model = model.to(torch.bfloat16)
+    params = common.param_groups(model) if spec.get("groups") else model.parameters()
+    kwargs = {}
+    if spec.get("client_optimizer"):
+        kwargs["optimizer"] = common.reference_optimizer(spec["client_optimizer"], spec.get("groups"))(model)
+    drive = spec.get("drive", "a")
+    config = spec["config"]
+    gas = config["gradient_accumulation_steps"]
+    gbs = gas * common.MICRO_BATCH * world
+    if spec.get("lr_schedule"):
+        if drive == "megatron":
+            kwargs["lr_scheduler"] = lambda opt: IncrementLR(opt, gbs)
+        else:
+            kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, common.lr_factor)
+    init = acco_ds.initialize if spec.get("use_acco_initialize", True) else deepspeed.initialize
+    key = spec.get("config_key", "config")
+    engine, _, _, _ = init(model=model, model_parameters=params, **{key: config}, **kwargs)
+
+    out = {"params": [], "norms": [], "losses": [], "applied": []}
+    micro = 0
+    if spec.get("load"):
+        _, client = engine.load_checkpoint(spec["load"])
+        micro = client["micro"]
+    target = spec["steps"]
+    last = engine.global_steps
+
+    def record():
+        nonlocal last
+        if engine.global_steps != last and len(out["params"]) < target - spec.get("start_step", 0):
+            out["params"].append(flat(engine.module))
+            out["norms"].append(engine.get_global_grad_norm())
+        last = engine.global_steps
+
+    def one_micro_batch():
+        nonlocal micro
+        loss = common.loss_fn(engine, common.micro_batch(rank, micro))
+        micro += 1
+        if drive == "torch":
+            loss.backward()
+        else:
+            engine.backward(loss)
+        out["losses"].append(float(loss))
+        record()
+
+    limit = spec.get("max_micro", 10_000)
+    while engine.global_steps < target and micro < limit:
+        if drive in ("a", "torch"):
+            one_micro_batch()
+            engine.step()
+            record()  # stock DeepSpeed updates in step(), ACCO when a round ends in backward
+        else:  # Accelerate / HF Trainer / Megatron: boundary set explicitly, step() once per gas micro-batches
+            if drive == "megatron":
+                engine.set_train_batch_size(gbs)
+            for j in range(gas):
+                engine.set_gradient_accumulation_boundary(is_boundary=(j == gas - 1))
+                one_micro_batch()
+            if drive == "megatron":
+                engine.step(lr_kwargs={"increment": gbs})
+            else:
+                engine.step()
+            record()
+            out["applied"].append(engine.was_step_applied())
+            engine.zero_grad()
+    if spec.get("save"):
+        engine.save_checkpoint(spec["save"], client_state={"micro": micro})
+    if spec.get("raise_on_rank") == rank:
+        raise RuntimeError("deliberate failure on this rank")
+    out["global_steps"] = engine.global_steps
+    out["micro"] = micro
+    if hasattr(engine, "acco_stats"):
+        stats = engine.acco_stats()
+        out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}
+        out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.history]
+    out["lr"] = engine.get_lr()
+    engine.destroy()
+    return out
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    outdir = sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec.get("pg_timeout", 60)))
+    results = [run(dict(spec, **r), rank, world) for r in spec.get("runs", [{}])]
+    torch.save(results, os.path.join(outdir, f"result{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
