@@ -88,3 +88,71 @@ def test_every_way_frameworks_drive_the_engine(drive):
     if drive != "torch":
         # Commits land at micro-batches 6, 10, 14, 18 (k=2); step() sees them at boundaries 8, 12, 16, 20.
         assert r["applied"][:5] == [False, True, True, True, True]
+
+
+def test_adaptive_accumulation_absorbs_slow_communication_and_unequal_workers():
+    """Communication slowed by the test hook, rank 1 slowed 30x: rank 0 keeps
+    accumulating while it waits, and the update is still the exact mean over
+    every micro-batch either worker contributed."""
+    acco = {"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 8,
+            "emulation": {"comm_delay_s": 0.05, "slow_rank": 1, "slow_factor": 30.0}}
+    r = launch({"runs": [dict(config=common.ds_config(acco=acco), steps=STEPS)]}, world_size=W, timeout=240)[0][0]
+    counts = {i: c for i, (_, c) in enumerate(r["round_counts"]) if c is not None}
+    used = [counts[i] for i in range(2 * STEPS)]
+    assert used[0] == [2, 2], "the start-up round has nothing to wait for"
+    assert max(c[0] for c in used[1:]) > 2, f"rank 0 never accumulated past the minimum: {used}"
+    assert any(c[0] != c[1] for c in used), f"workers contributed equally: {used}"
+    ref = reference("acco", counts=lambda rnd, w: counts[rnd][w] if rnd in counts else 2)
+    assert_matches(r["params"], ref["params"])
+    assert r["stats"]["accumulation"] == "adaptive"
+
+
+def test_checkpoint_resume_continues_exactly(tmp_path):
+    """N steps, save (right after a commit, and in the middle of a round),
+    fresh processes load and continue: same parameters as 2N uninterrupted."""
+    cfg = common.ds_config(acco={"mode": "acco"}, clip=0.05)
+    n = 2
+    full = launch({"runs": [dict(config=cfg, steps=2 * n, lr_schedule=True)]}, world_size=W, timeout=240)[0][0]
+    # k=2: commits at micro-batches 6 and 10; 11 stops inside the next estimate round.
+    saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (10, 11)}
+    launch({"runs": [dict(config=cfg, steps=100, max_micro=stop, save=path, lr_schedule=True)
+                     for stop, path in saves.items()]}, world_size=W, timeout=240)
+    resumed = launch({"runs": [dict(config=cfg, steps=2 * n, load=path, lr_schedule=True) for path in saves.values()]},
+                     world_size=W, timeout=240)[0]
+    for r in resumed:
+        assert r["global_steps"] == 2 * n
+        assert len(r["params"]) == n
+        for got, want in zip(r["params"], full["params"][n:]):
+            assert torch.equal(got, want), (got - want).abs().max()
+        assert r["lr"] == full["lr"]
+
+    # A checkpoint from 2 ranks cannot silently load into 1.
+    failed = launch({"runs": [dict(config=cfg, steps=2 * n, load=saves[10])]}, world_size=1, timeout=120,
+                    expect_failure=True)
+    assert failed[0][0] != 0
+    assert "world size of 2" in failed[0][1] and "current world size is 1" in failed[0][1]
+
+
+def test_an_error_on_one_rank_becomes_an_error_on_every_rank_not_a_hang():
+    spec = dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, raise_at_micro=7, raise_rank=1,
+                pg_timeout=30)
+    results = launch({"runs": [spec]}, world_size=W, timeout=120, expect_failure=True)
+    assert all(code != 0 for code, _ in results), [code for code, _ in results]
+    assert "deliberate failure" in results[1][1]
+    assert "ACCO communication failed" in results[0][1] or "Connection closed" in results[0][1], results[0][1][-3000:]
+
+
+@pytest.mark.parametrize("nan_at", [1, 3])
+def test_non_finite_gradients_skip_the_update_on_every_rank(nan_at):
+    """A NaN in the start-up round poisons the Peek and the commit; one in an
+    estimate round poisons the commit. Either way one step is skipped on both
+    ranks, the weights stay finite, and training goes on."""
+    spec = dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, nan_at_micro=nan_at)
+    results = launch({"runs": [spec]}, world_size=W, timeout=240)
+    r0, r1 = results[0][0], results[1][0]
+    assert r0["stats"]["skipped_steps"] == r1["stats"]["skipped_steps"] == 1
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    init = flat_params(common.make_model(0)).float()
+    assert torch.equal(r0["params"][0], init), "the poisoned step changed the weights"
+    assert not torch.equal(r0["params"][1], init), "training did not go on after the skipped step"

@@ -72,6 +72,7 @@ def run(spec, rank, world):
     if spec.get("load"):
         _, client = engine.load_checkpoint(spec["load"])
         micro = client["micro"]
+        spec["start_step"] = engine.global_steps
     target = spec["steps"]
     last = engine.global_steps
 
@@ -85,6 +86,10 @@ def run(spec, rank, world):
     def one_micro_batch():
         nonlocal micro
         loss = common.loss_fn(engine, common.micro_batch(rank, micro))
+        if spec.get("raise_at_micro") == micro and spec.get("raise_rank") == rank:
+            raise RuntimeError("deliberate failure on this rank")
+        if spec.get("nan_at_micro") == micro and rank == 0:
+            loss = loss * float("nan")
         micro += 1
         if drive == "torch":
             loss.backward()
@@ -114,8 +119,6 @@ def run(spec, rank, world):
             engine.zero_grad()
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
-    if spec.get("raise_on_rank") == rank:
-        raise RuntimeError("deliberate failure on this rank")
     out["global_steps"] = engine.global_steps
     out["micro"] = micro
     if hasattr(engine, "acco_stats"):
