@@ -152,7 +152,7 @@ def validate_against_deepspeed(acco: ACCOConfig, ds_config, *, is_pipeline: bool
             problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
                             f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
     zc = ds_config.zero_config
-    if zc.offload_optimizer is not None and zc.offload_optimizer.device.value != "none":
+    if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
                         "communication side thread): remove offload_optimizer")
     if ds_config.bfloat16_config.enabled and ds_config.grad_accum_dtype is not None \

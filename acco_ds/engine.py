@@ -48,6 +48,9 @@ class ACCOEngine(DeepSpeedEngine):
             if not config_class.managed_gradient_accumulation:
                 raise ValueError("ACCO drives gradient accumulation itself: remove "
                                  "managed_gradient_accumulation=false from the DeepSpeed config")
+            if kwargs.get("optimizer") is None and config_class.optimizer_name is None:
+                raise ValueError('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to '
+                                 'the DeepSpeed config or pass optimizer= to initialize')
             if config_class.zero_config.zenflow is not None:
                 raise ValueError("ZenFlow and ACCO both replace the ZeRO-1 update: remove zero_optimization.zenflow")
         # Set before Module.__init__ runs inside DeepSpeedEngine.__init__.

@@ -47,6 +47,10 @@ from .rounds import COMMIT, ESTIMATE, PEEK, STARTUP, SYNC, Round, RoundSchedule
 
 ACCO_STATE_KEY = "acco"
 
+# torch >= 2.13 renamed the flat-tensor collectives; keep working on older releases.
+_reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+_all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+
 
 @dataclass
 class CommResult:
@@ -263,7 +267,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                 time.sleep(self.acco.emulation.comm_delay_s)
             g = self.comm.group
             works = [
-                tdist.reduce_scatter_tensor(shard, acc, op=tdist.ReduceOp.SUM, group=g, async_op=True)
+                _reduce_scatter(shard, acc, op=tdist.ReduceOp.SUM, group=g, async_op=True)
                 for shard, acc in zip(self._shard, self._acc_comm)
             ]
             for w in works:
@@ -297,7 +301,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                 self._shard, self._kept = self._kept, self._shard
                 self._kept_count, self._kept_finite = total, finite
             works = [
-                tdist.all_gather_into_tensor(nxt, parts[self.rank], group=g, async_op=True)
+                _all_gather(nxt, parts[self.rank], group=g, async_op=True)
                 for nxt, parts in zip(self._next_flat, self._next_parts)
             ]
             for w in works:
@@ -428,7 +432,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             for parts, saved in zip(self._next_parts, acco["pending_params"]):
                 parts[self.rank].copy_(saved)
             for nxt, parts in zip(self._next_flat, self._next_parts):
-                tdist.all_gather_into_tensor(nxt, parts[self.rank], group=self.comm.group)
+                _all_gather(nxt, parts[self.rank], group=self.comm.group)
 
     def _reset_rounds(self):
         self.schedule = RoundSchedule(self.schedule.mode, self.gradient_accumulation_steps, self.schedule.adaptive,
@@ -448,7 +452,13 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         t["mode"], t["accumulation"] = self.acco.mode, self.acco.accumulation
         t["kernels"] = self.kernels.name
         t["optimizer_update"] = f"fused-adam ({self._adam})" if self._adam else "generic"
+        t["buffer_bytes"] = self.buffer_bytes()
         return t
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers ACCO adds to ZeRO-1 on this rank (see the module docstring)."""
+        bufs = self._acc + self._acc_comm + self._shard + self._kept + self._next_flat
+        return sum(b.numel() * b.element_size() for b in bufs)
 
 
 def dist_rank() -> int:

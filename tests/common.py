@@ -64,7 +64,7 @@ def ds_config(acco=None, gas=4, clip=0.0, optimizer="AdamW", dtype="fp32", sched
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 4}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}
     if scheduler is not None:
         cfg["scheduler"] = scheduler
     if acco is not None:

@@ -156,3 +156,28 @@ def test_non_finite_gradients_skip_the_update_on_every_rank(nan_at):
     init = flat_params(common.make_model(0)).float()
     assert torch.equal(r0["params"][0], init), "the poisoned step changed the weights"
     assert not torch.equal(r0["params"][1], init), "training did not go on after the skipped step"
+
+
+def test_bf16_and_fp16_with_dynamic_loss_scaling():
+    """bf16: bit16 compute weights, fp32 master and fp32 accumulation, close to
+    the fp32 reference. fp16: an overflow in one round skips that update on
+    every rank and halves the loss scale."""
+    runs = [dict(config=common.ds_config(acco={"mode": "acco"}, dtype="bf16"), dtype="bf16", steps=STEPS),
+            dict(config=common.ds_config(acco={"mode": "acco"}, dtype="fp16"), dtype="fp16", steps=STEPS),
+            dict(config=common.ds_config(acco={"mode": "acco"}, dtype="fp16"), dtype="fp16", steps=STEPS,
+                 overflow_at_micro=7)]
+    results = launch({"runs": runs}, world_size=W, timeout=240)
+    ref = reference("acco")["params"]
+    bf16, fp16, overflow = results[0]
+    for got, want in zip(bf16["params"], ref):
+        assert (got.double() - want).abs().max() < 2e-2  # bf16 weights: about 3 significant digits
+    assert (bf16["params"][-1].double() - ref[-1]).abs().max() > 0, "bf16 run did not run in bf16"
+    for got, want in zip(fp16["params"], ref):
+        assert (got.double() - want).abs().max() < 5e-3
+    assert fp16["stats"]["skipped_steps"] == 0 and overflow["stats"]["skipped_steps"] == 1
+    assert overflow["loss_scale"] < fp16["loss_scale"]
+    for a, b in zip(results[0][2]["params"], results[1][2]["params"]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    # Micro-batch 7 belongs to the estimate round of step 2: step 2 is skipped, step 1 is not.
+    assert torch.equal(overflow["params"][1], overflow["params"][0])
+    assert torch.equal(overflow["params"][0], fp16["params"][0])

@@ -50,6 +50,12 @@ def run(spec, rank, world):
     model = common.make_model(spec.get("seed", 0))
     if spec.get("dtype") == "bf16":
         model = model.to(torch.bfloat16)
+    if spec.get("dtype") == "fp16":
+        # DeepSpeed refuses fp16 on its CPU accelerator; torch computes it fine, and the
+        # loss-scaling logic under test is device independent.
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
+        model = model.to(torch.float16)
     params = common.param_groups(model) if spec.get("groups") else model.parameters()
     kwargs = {}
     if spec.get("client_optimizer"):
@@ -90,6 +96,8 @@ def run(spec, rank, world):
             raise RuntimeError("deliberate failure on this rank")
         if spec.get("nan_at_micro") == micro and rank == 0:
             loss = loss * float("nan")
+        if spec.get("overflow_at_micro") == micro and rank == 0:
+            loss = loss * 1e30  # fp16 gradients overflow to inf
         micro += 1
         if drive == "torch":
             loss.backward()
@@ -126,6 +134,7 @@ def run(spec, rank, world):
         out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}
         out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.history]
     out["lr"] = engine.get_lr()
+    out["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
     engine.destroy()
     return out
 

@@ -1,0 +1,104 @@
+"""Bad configs and unsupported combinations are rejected at initialize, naming the key and the fix."""
+
+import os
+
+import pytest
+import torch
+
+import acco_ds
+import common
+from acco_ds.config import ACCOConfig, parse_acco_config, validate_against_deepspeed
+from dist import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_process_group():
+    """A 1-rank gloo group in the test process, for initialize-time errors."""
+    import deepspeed
+    import torch.distributed as dist
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    yield
+
+
+def ds_config(**kw):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    return DeepSpeedConfig(common.ds_config(**kw))
+
+
+def test_defaults_and_documentation():
+    cfg = parse_acco_config({})
+    assert not cfg.enabled and cfg.mode == "acco" and cfg.accumulation == "fixed"
+    assert parse_acco_config({"acco": {"enabled": True, "accumulation": "adaptive"}}).max_micro_batches(8) == 16
+    for name, field in ACCOConfig.model_fields.items():
+        assert name in open(acco_ds.config.__file__).read()
+
+
+@pytest.mark.parametrize("block, needle", [
+    ({"enabld": True}, 'unknown key "acco.enabld"'),
+    ({"enabled": True, "mode": "fast"}, '"acco.mode"'),
+    ({"enabled": True, "max_micro_batches_per_round": "many"}, '"acco.max_micro_batches_per_round"'),
+    ({"enabled": True, "emulation": {"slow_factr": 2}}, 'unknown key "acco.emulation.slow_factr"'),
+    ({"enabled": True, "mode": "sync", "accumulation": "adaptive"}, 'accumulation="fixed" with mode="sync"'),
+    ("yes", 'must be an object'),
+])
+def test_malformed_acco_blocks(block, needle):
+    with pytest.raises(ValueError, match="acco") as err:
+        parse_acco_config({"acco": block})
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(acco={"mode": "acco"}, gas=3), "gradient_accumulation_steps must be even (got 3): set it to 4"),
+    (dict(acco={"mode": "acco"}, zero_optimization={"stage": 2}), 'set "zero_optimization": {"stage": 1}'),
+    (dict(acco={"mode": "acco"}, zero_optimization={"stage": 0}), "zero_optimization.stage is 0"),
+    (dict(acco={"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 1}, gas=4),
+     "max_micro_batches_per_round (1) is below the minimum of 2"),
+    (dict(acco={"mode": "acco"}, dtype="bf16", data_types={"grad_accum_dtype": "fp32"}),
+     "remove data_types.grad_accum_dtype"),
+    (dict(acco={"mode": "acco"}, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
+     "remove offload_optimizer"),
+])
+def test_unsupported_deepspeed_settings(kw, needle):
+    acco = parse_acco_config(common.ds_config(**kw))
+    with pytest.raises(ValueError) as err:
+        validate_against_deepspeed(acco, ds_config(**kw))
+    assert needle in str(err.value)
+
+
+def test_odd_accumulation_is_fine_outside_acco_mode():
+    kw = dict(acco={"mode": "dpu"}, gas=3)
+    validate_against_deepspeed(parse_acco_config(common.ds_config(**kw)), ds_config(**kw))
+
+
+def test_initialize_rejects_before_building_anything():
+    model = common.make_model()
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be even"):
+        acco_ds.initialize(model=model, model_parameters=model.parameters(),
+                           config=common.ds_config(acco={"mode": "acco"}, gas=5))
+    with pytest.raises(ValueError, match=r'unknown key "acco.mdoe"'):
+        acco_ds.initialize(model=model, model_parameters=model.parameters(),
+                           config_params={**common.ds_config(), "acco": {"enabled": True, "mdoe": "dpu"}})
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        acco_ds.initialize(model=model, model_parameters=model.parameters(),
+                           config=common.ds_config(acco={"mode": "acco"}, optimizer=None))
+
+
+def test_pipeline_models_are_rejected_with_the_megatron_flag():
+    from deepspeed.pipe import PipelineModule
+    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
+    with pytest.raises(ValueError, match="--no-pipeline-parallel"):
+        acco_ds.initialize(model=pipe, model_parameters=pipe.parameters(), config=common.ds_config(acco={}))
+
+
+def test_config_from_args_deepspeed_config(tmp_path):
+    import json
+    import types
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(common.ds_config(acco={"mode": "acco"}, gas=3)))
+    model = common.make_model()
+    with pytest.raises(ValueError, match="must be even"):
+        acco_ds.initialize(args=types.SimpleNamespace(deepspeed_config=str(path), local_rank=0), model=model,
+                           model_parameters=model.parameters())
