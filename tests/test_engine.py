@@ -39,6 +39,13 @@ def test_ranks_hold_identical_parameters_and_modes_match_the_reference():
     # Documented data mapping: acco consumes k + 2k per step, dpu 2k + 2k per step, sync 2k per step.
     k = 2
     assert [results[0][i]["micro"] for i in range(3)] == [k + 2 * k * STEPS, 2 * k * (STEPS + 1), 2 * k * STEPS]
+    # Observability: one record per round, each with its micro-batches and timings.
+    stats = [results[0][i]["stats"] for i in range(3)]
+    assert [s["rounds"] for s in stats] == [2 * STEPS + 1, STEPS + 1, STEPS]
+    assert [s["micro_batches"] for s in stats] == [results[0][i]["micro"] for i in range(3)]
+    assert all(s["comm_s"] > 0 and s["compute_s"] > 0 and 0 <= s["wait_s"] for s in stats)
+    assert stats[2]["hidden_comm_fraction"] < 0.2, "sync mode cannot hide its communication"
+    assert [s["global_samples"] for s in stats] == [STEPS * 2 * k * W * common.MICRO_BATCH] * 3
 
 
 def test_clipping_schedule_param_groups_and_client_optimizers():
