@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failu
     """Run ``workers.py`` with ``spec`` on ``world_size`` ranks; return each
     rank's saved results (or, with ``expect_failure``, each rank's
     ``(returncode, log)``). Never waits longer than ``timeout`` seconds."""
+    own_dir = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="acco_test_"))
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
@@ -63,7 +65,10 @@ def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failu
         return list(zip(codes, texts))
     if any(codes):
         raise AssertionError(f"ranks failed with exit codes {codes}; logs:\n" + _tails(texts))
-    return [torch.load(workdir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    results = [torch.load(workdir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    if own_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return results
 
 
 def _tails(texts, n=4000):

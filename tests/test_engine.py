@@ -59,6 +59,9 @@ def test_clipping_schedule_param_groups_and_client_optimizers():
         dict(config=common.ds_config(acco={"mode": "acco"}, optimizer=None, zero_allow_untested_optimizer=True),
              client_optimizer="SGD", steps=STEPS),
         dict(config=common.ds_config(acco={"mode": "dpu"}, clip=0.05), steps=STEPS),
+        # The pure-torch kernels give the same answers as the native ones.
+        dict(config=common.ds_config(acco={"mode": "acco", "kernels": "torch"}, clip=0.05), client_optimizer="AdamW",
+             groups=True, lr_schedule=True, steps=STEPS),
     ]
     results = launch({"runs": runs}, world_size=W, timeout=240)[0]
     ref = reference("acco", optimizer="AdamW", groups=True, clip=0.05, lr_schedule=True)
@@ -70,6 +73,8 @@ def test_clipping_schedule_param_groups_and_client_optimizers():
     assert results[2]["stats"]["optimizer_update"] == "generic"
     assert_matches(results[2]["params"], reference("acco", optimizer="SGD")["params"])
     assert_matches(results[3]["params"], reference("dpu", clip=0.05)["params"])
+    assert results[0]["stats"]["kernels"] == "native-cpu" and results[4]["stats"]["kernels"] == "torch"
+    assert_matches(results[4]["params"], ref["params"])
 
 
 def test_sync_mode_matches_stock_deepspeed_zero1():

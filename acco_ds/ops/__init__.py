@@ -1,0 +1,145 @@
+"""The two kernels of acco_ds, with a pure-torch reference each:
+
+* ``adamw_update``: fused AdamW update of a flat fp32 shard, written straight
+  into the all-gather send buffer; ``commit=False`` (Peek) changes no state.
+* ``pack`` / ``unpack``: many tensors of mixed dtypes into (out of) one flat
+  fp32 buffer, scaled, in one launch.
+
+``load_kernels(kernels, device)`` picks the implementation the engine uses:
+``native`` (the C++/CUDA op; an error naming the cause if it does not build),
+``torch`` (the reference), ``auto`` (native if it loads, else torch with one
+log line).
+"""
+
+import logging
+import time
+from typing import Dict, List, Tuple
+
+from . import reference
+
+logger = logging.getLogger("acco_ds")
+
+_cache: Dict[Tuple[str, str], "Kernels"] = {}
+_load_errors: Dict[str, str] = {}
+
+
+class Kernels:
+    """One implementation of the ops: ``name`` says which."""
+
+    def __init__(self, name, adamw_update, pack, unpack):
+        self.name, self._adamw_update, self.pack, self.unpack = name, adamw_update, pack, unpack
+
+    def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
+                     grad_scale, commit, adamw=True):
+        self._adamw_update(master, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                           eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, commit=commit, adamw=adamw)
+
+    def __repr__(self):
+        return f"Kernels({self.name})"
+
+
+TORCH = Kernels("torch", reference.adamw_update, reference.pack, reference.unpack)
+
+
+def _device_type(device) -> str:
+    return str(device).split(":")[0]
+
+
+def load_native(device_type: str = "cpu"):
+    """Load (JIT-building if needed) the native op module for ``cpu`` or ``cuda``."""
+    from .builder import BUILDERS
+    if device_type not in BUILDERS:
+        raise RuntimeError(f"acco_ds has no native ops for device type {device_type!r}")
+    builder = BUILDERS[device_type]()
+    if not builder.is_compatible():
+        raise RuntimeError(f"{builder.NAME} is not compatible with this machine: {builder.error_log or ''}")
+    return builder.load(verbose=False)
+
+
+def _native_kernels(device_type: str) -> Kernels:
+    module = load_native(device_type)
+
+    def adamw_update(master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
+                     grad_scale, commit, adamw=True):
+        module.adamw_update(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
+                            float(eps), float(weight_decay), float(grad_scale), bool(commit), bool(adamw))
+
+    def pack(tensors, flat, offsets, scale, accumulate):
+        module.pack(list(tensors), flat, [int(o) for o in offsets], float(scale), bool(accumulate))
+
+    def unpack(flat, tensors, offsets):
+        module.unpack(flat, list(tensors), [int(o) for o in offsets])
+
+    return Kernels(f"native-{device_type}", adamw_update, pack, unpack)
+
+
+def load_kernels(kernels: str = "auto", device="cpu") -> Kernels:
+    """The implementation for ``kernels`` in {auto, torch, native} on ``device``."""
+    if kernels not in ("auto", "torch", "native"):
+        raise ValueError(f'kernels must be "auto", "torch" or "native", got {kernels!r}')
+    device_type = _device_type(device)
+    key = (kernels, device_type)
+    if key in _cache:
+        return _cache[key]
+    if kernels == "torch":
+        result = TORCH
+    else:
+        try:
+            result = _native_kernels(device_type)
+        except Exception as err:  # noqa: BLE001 - any build/load failure
+            _load_errors[device_type] = f"{type(err).__name__}: {err}"
+            if kernels == "native":
+                raise RuntimeError(f'acco.kernels="native" but the {device_type} op could not be built or loaded '
+                                   f'({_load_errors[device_type]}). Install a C++ compiler and ninja (and nvcc for '
+                                   f'CUDA), or set "acco": {{"kernels": "torch"}}') from err
+            logger.warning(f"acco_ds: native {device_type} ops unavailable ({_load_errors[device_type].splitlines()[0]}"
+                           f"); using the pure-torch kernels")
+            result = TORCH
+    _cache[key] = result
+    return result
+
+
+def adamw_update(master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                 commit, adamw=True):
+    """Fused AdamW update (see ``reference.adamw_update``), native when it loads."""
+    load_kernels("auto", master.device).adamw_update(master, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr,
+                                                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                                     grad_scale=grad_scale, commit=commit, adamw=adamw)
+
+
+def pack(tensors, flat, offsets, scale, accumulate):
+    """Pack tensors into a flat fp32 buffer (see ``reference.pack``), native when it loads."""
+    load_kernels("auto", flat.device).pack(tensors, flat, offsets, scale, accumulate)
+
+
+def unpack(flat, tensors, offsets):
+    """Unpack a flat fp32 buffer into tensors (see ``reference.unpack``), native when it loads."""
+    load_kernels("auto", flat.device).unpack(flat, tensors, offsets)
+
+
+def op_report() -> List[dict]:
+    """One row per native op: compatible, AOT-built, loadable, and what ``auto`` picks."""
+    import importlib.util
+
+    from .builder import BUILDERS
+    rows = []
+    for device_type, cls in BUILDERS.items():
+        builder = cls()
+        row = {"op": builder.NAME, "device": device_type, "compatible": bool(builder.is_compatible()),
+               "aot_built": importlib.util.find_spec(builder.absolute_name()) is not None}
+        if row["compatible"]:
+            start = time.perf_counter()
+            try:
+                load_native(device_type)
+                row["loadable"], row["load_s"] = True, round(time.perf_counter() - start, 2)
+            except Exception as err:  # noqa: BLE001
+                row["loadable"], row["error"] = False, f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        else:
+            row["loadable"] = False
+        row["auto_uses"] = f"native-{device_type}" if row["loadable"] else "torch"
+        rows.append(row)
+    return rows
+
+
+__all__ = ["adamw_update", "pack", "unpack", "load_kernels", "load_native", "op_report", "Kernels", "TORCH",
+           "reference"]
