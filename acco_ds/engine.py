@@ -83,7 +83,13 @@ class ACCOEngine(DeepSpeedEngine):
     # -------------------------------------------------------------- backward
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         # The optimizer divides by the global micro-batch count, so the loss is not divided here.
-        out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+        # scale_wrt_gas=False means the caller already divided it (Hugging Face Trainer does):
+        # undo that when packing, so every micro-batch still weighs 1/count in the mean.
+        self.optimizer.grad_prescale = 1.0 if scale_wrt_gas else float(self.gradient_accumulation_steps())
+        try:
+            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+        finally:
+            self.optimizer.grad_prescale = 1.0
         if scale_wrt_gas and isinstance(out, torch.Tensor):
             out = out / self.gradient_accumulation_steps()
         return out

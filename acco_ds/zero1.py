@@ -142,6 +142,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self._kept_count = 0
         self._kept_finite = True
 
+        self.grad_prescale = 1.0  # set by the engine when the caller pre-divided the loss
         self.local_micro = 0  # micro-batches accumulated in the current round
         self._acc_dirty = False  # accumulator holds data from this round
         self._pending: Optional[CommResult] = None  # finished job whose round has not ended yet
@@ -164,8 +165,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     @torch.no_grad()
     def accumulate_gradients(self) -> None:
         """Pack every ``param.grad`` into the fp32 accumulator (divided by the
-        current loss scale) and free it."""
-        inv_scale = 1.0 / float(self.loss_scale)
+        current loss scale, times ``grad_prescale``) and free it."""
+        inv_scale = self.grad_prescale / float(self.loss_scale)
         for i, params in enumerate(self.round_robin_bit16_groups):
             grads, offsets = [], []
             for p, off in zip(params, self._pack_offsets[i]):

@@ -136,6 +136,14 @@ def evaluate(engine, batches, n_batches, device):
     return (total[0] / total[1]).item()
 
 
+def acco_totals(engine):
+    """Cumulative ACCO round figures (None for a stock engine)."""
+    if not hasattr(engine, "acco_stats"):
+        return None
+    s = engine.acco_stats()
+    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -151,6 +159,7 @@ def main():
     parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
     parser.add_argument("--eval_interval", type=int, default=10, help="committed steps between validations")
     parser.add_argument("--eval_batches", type=int, default=8)
+    parser.add_argument("--warmup_steps", type=int, default=0, help="steps excluded from the throughput figures")
     parser.add_argument("--slow_rank", type=int, default=-1, help="benchmark only: slow this rank's compute")
     parser.add_argument("--slow_factor", type=float, default=1.0)
     parser.add_argument("--results", default=None, help="write a JSON summary here (rank 0)")
@@ -164,7 +173,7 @@ def main():
         config = json.load(f)
     if args.mode == "zero1":
         config.pop("acco", None)
-    elif args.mode or args.accumulation or args.slow_factor > 1:
+    elif args.mode or args.accumulation or (args.slow_factor > 1 and "acco" in config):
         config.setdefault("acco", {"enabled": True})
         if args.mode:
             config["acco"]["mode"] = args.mode
@@ -205,19 +214,28 @@ def main():
             bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
         except ImportError:
             pass
+    # Benchmark only: stock DeepSpeed has no ACCO emulation block, so slow its rank here, the same way.
+    slow_here = args.slow_factor > 1 and rank == args.slow_rank and not acco_cfg.get("enabled")
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
+    warm = {"time": start, "step": 0, "samples": 0, "stats": None}
     while engine.global_steps < steps:
         x, y = train.get(micro)
         before = engine.global_steps
+        t0 = time.perf_counter()
         loss = engine(x.to(device), y.to(device))
         engine.backward(loss)  # with ACCO, a round may end here and commit a step
+        if slow_here:
+            time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
         engine.step()
         micro += 1
         losses.append(loss.item())
         if engine.global_steps == before:
             continue
         # A step was committed: the module holds the new parameters.
+        if engine.global_steps == args.warmup_steps:
+            warm = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
+                    "samples": engine.global_samples, "stats": acco_totals(engine)}
         elapsed = time.perf_counter() - start - eval_time
         tokens = engine.global_steps * tokens_per_step
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
@@ -232,6 +250,8 @@ def main():
     if hasattr(engine, "acco_drain"):
         engine.acco_drain()
     elapsed = time.perf_counter() - start - eval_time
+    measured = time.perf_counter() - eval_time - warm["time"]
+    measured_steps = engine.global_steps - warm["step"]
     if bar is not None:
         bar.close()
 
@@ -243,6 +263,10 @@ def main():
         "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
         "micro_batches": micro, "skipped_steps": engine.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # Throughput after --warmup_steps (all steps when 0).
+        "measured_steps": measured_steps, "measured_time_s": measured,
+        "measured_samples_per_s": (engine.global_samples - warm["samples"]) / measured,
+        "measured_step_time_s": measured / max(measured_steps, 1),
     }
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
@@ -251,6 +275,9 @@ def main():
         gathered = [torch.zeros_like(shares) for _ in range(world)]
         deepspeed.comm.all_gather(gathered, shares)
         stats["micro_batches_per_rank"] = [int(t.item()) for t in gathered]
+        if warm["stats"] is not None:
+            now = acco_totals(engine)
+            stats["measured"] = {k: now[k] - warm["stats"][k] for k in now}
         summary["acco"] = stats
     if rank == 0:
         print("\n==== summary ====")

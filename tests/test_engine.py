@@ -88,15 +88,19 @@ def test_sync_mode_matches_stock_deepspeed_zero1():
     assert_matches(results[0]["params"], reference("sync")["params"])
 
 
-@pytest.mark.parametrize("drive", ["b", "megatron", "torch"])
+@pytest.mark.parametrize("drive", ["b", "hf", "megatron", "torch"])
 def test_every_way_frameworks_drive_the_engine(drive):
-    """b: Accelerate/HF Trainer (boundary flag, step() at the boundary);
+    """b: Accelerate (boundary flag, step() at the boundary); hf: the same with
+    the loss divided by the caller (backward(loss / gas, scale_wrt_gas=False));
     megatron: plus step(lr_kwargs), was_step_applied(), set_train_batch_size();
     torch: loss.backward() directly instead of engine.backward()."""
     spec = dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, drive=drive,
                 lr_schedule=(drive == "megatron"))
     r = launch({"runs": [spec]}, world_size=W, timeout=240)[0][0]
     assert_matches(r["params"], reference("acco", lr_schedule=(drive == "megatron"))["params"])
+    if drive == "megatron":
+        assert "cannot change gradient_accumulation_steps" in r["batch_size_error"]
+        assert "--rampup-batch-size" in r["batch_size_error"]
     if drive != "torch":
         # Commits land at micro-batches 6, 10, 14, 18 (k=2); step() sees them at boundaries 8, 12, 16, 20.
         assert r["applied"][:5] == [False, True, True, True, True]

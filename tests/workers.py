@@ -101,6 +101,8 @@ def run(spec, rank, world):
         micro += 1
         if drive == "torch":
             loss.backward()
+        elif drive == "hf":  # Hugging Face Trainer divides the loss itself and says so
+            engine.backward(loss / gas, scale_wrt_gas=False)
         else:
             engine.backward(loss)
         out["losses"].append(float(loss))
@@ -127,6 +129,11 @@ def run(spec, rank, world):
             engine.zero_grad()
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
+    if drive == "megatron":
+        try:
+            engine.set_train_batch_size(2 * gbs)  # batch-size ramp-up is not supported
+        except ValueError as err:
+            out["batch_size_error"] = str(err)
     out["global_steps"] = engine.global_steps
     out["micro"] = micro
     if hasattr(engine, "acco_stats"):
