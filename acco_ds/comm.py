@@ -136,6 +136,14 @@ class CommWorker:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=timeout_s)
+        if not self._thread.is_alive() and self.group is not None and dist.is_initialized():
+            # Free the side group now rather than during interpreter teardown, where gloo's
+            # threads may be destroyed out of order (std::terminate).
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.group = None
         try:
             atexit.unregister(self._atexit)
         except Exception:

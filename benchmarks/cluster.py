@@ -376,6 +376,7 @@ def cmd_one(h):
 
 
 def main():
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("command", nargs="?", default="all",
                    choices=["throughput", "hetero", "convergence", "all", "smoke", "one"])
@@ -395,10 +396,9 @@ def main():
     p.add_argument("--mode", default="acco fixed", choices=list(MODES), help="for `one`")
     p.add_argument("--extra", default="", help="for `one`: extra train_gpt.py flags")
     p.add_argument("--out", default=None, help="markdown output (default benchmarks/results/cluster_<command>.md)")
-    p.add_argument("--results_dir", default=str(RESULTS), help="where run records and plots go")
+    p.add_argument("--results_dir", default=None, help="where run records and plots go (default benchmarks/results)")
     args = p.parse_args()
-    global RESULTS
-    RESULTS = Path(args.results_dir)
+    RESULTS = Path(args.results_dir) if args.results_dir else RESULTS
     if args.cleanup:
         print("removed:", cleanup_leftovers() or "nothing")
         return

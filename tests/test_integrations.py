@@ -87,7 +87,7 @@ def test_runner_gives_an_unmodified_script_acco(launcher, tmp_path):
     else:
         if tool("accelerate") is None:
             pytest.skip("accelerate not installed")
-        cmd = [tool("accelerate"), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+        cmd = [tool("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "-m", "acco_ds.run"]
     run(cmd + args + ["--deepspeed_config", ds_config(tmp_path)])
     for r in ranks(tmp_path):
@@ -96,6 +96,7 @@ def test_runner_gives_an_unmodified_script_acco(launcher, tmp_path):
         assert [r["local_rank"] for r in ranks(tmp_path)] == [0, 1]  # --local_rank reached the script
     # Without the block the same runner gives stock DeepSpeed.
     if launcher == "torchrun":
+        cmd[cmd.index(port)] = str(free_port())  # a fresh port: the first run's may linger in TIME_WAIT
         run(cmd + args + ["--deepspeed_config", ds_config(tmp_path, acco=False)])
         assert {r["engine"] for r in ranks(tmp_path)} == {"DeepSpeedEngine"}
 
@@ -122,12 +123,13 @@ def test_hugging_face_trainer_with_acco_block(tmp_path):
 def test_accelerate_loop_with_deepspeed_plugin(tmp_path):
     pytest.importorskip("accelerate")
     run([tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(HERE / "hf_accelerate.py"), str(tmp_path), "8"], timeout=300)
+         str(HERE / "hf_accelerate.py"), str(tmp_path), "40"], timeout=300)
     for r in ranks(tmp_path):
-        assert r["engine"] == "ACCOEngine" and r["global_steps"] == 8
-        assert r["micro"] == 1 + 2 * 8  # k start-up micro-batches, then 2k per step (k=1)
-        assert sum(r["losses"][-4:]) < sum(r["losses"][:4]), r["losses"]
-        assert r["restored"] and r["steps_after_load"] == 8
+        assert r["engine"] == "ACCOEngine" and r["global_steps"] == 40
+        assert r["micro"] == 1 + 2 * 40  # k start-up micro-batches, then 2k per step (k=1)
+        first, last = sum(r["losses"][:8]) / 8, sum(r["losses"][-8:]) / 8
+        assert last < 0.2 * first, r["losses"]
+        assert r["restored"] and r["steps_after_load"] == 40
 
 
 def test_report():

@@ -2,16 +2,20 @@
 running under `acco_ds.run`. Trains a tiny GPT-2 built from a config (no download),
 saves a checkpoint, then a second Trainer resumes from it."""
 
+import argparse
 import json
 import os
-import sys
 import sysconfig
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, TrainerCallback
 
-out = sys.argv[1]
-steps = int(sys.argv[2])
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("steps", type=int)
+parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it, as to any HF script
+cli = parser.parse_args()
+out, steps = cli.out, cli.steps
 text = open(os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py"), "rb").read()
 block = 32
 data = [{"input_ids": torch.tensor(list(text[i:i + block])), "labels": torch.tensor(list(text[i:i + block]))}
