@@ -13,7 +13,6 @@ when the config asks for it.
 """
 
 import contextlib
-import copy
 import threading
 
 __version__ = "0.1.0"
@@ -123,11 +122,4 @@ def is_patched() -> bool:
     return _original_initialize is not None
 
 
-def with_acco(config: dict, **acco) -> dict:
-    """A copy of a DeepSpeed config dict with the ``"acco"`` block set (enabled)."""
-    out = copy.deepcopy(config)
-    out["acco"] = {"enabled": True, **acco}
-    return out
-
-
-__all__ = ["initialize", "patch", "unpatch", "is_patched", "acco_enabled", "with_acco", "__version__"]
+__all__ = ["initialize", "patch", "unpatch", "is_patched", "acco_enabled", "__version__"]

@@ -22,14 +22,12 @@ optimizer divides the reduced gradient sum by the global micro-batch count.
 """
 
 import functools
-from typing import Optional
-
 import deepspeed.runtime.engine as ds_engine
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import log_dist, logger
+from deepspeed.utils import log_dist
 
-from .config import ACCOConfig, parse_acco_config, validate_against_deepspeed
+from .config import parse_acco_config, validate_against_deepspeed
 from .rounds import COMMIT
 from .zero1 import ACCOZeroOptimizer, CommResult
 
@@ -184,8 +182,4 @@ class ACCOEngine(DeepSpeedEngine):
         super().destroy()
 
 
-def acco_config_of(engine) -> Optional[ACCOConfig]:
-    return getattr(engine, "acco_config", None)
-
-
-__all__ = ["ACCOEngine", "acco_config_of", "logger"]
+__all__ = ["ACCOEngine"]

@@ -32,7 +32,7 @@ import copy
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 import torch
@@ -43,7 +43,7 @@ from deepspeed.utils import logger
 from .comm import CommWorker
 from .config import ACCOConfig
 from .reference import clip_coefficient
-from .rounds import COMMIT, ESTIMATE, PEEK, STARTUP, SYNC, Round, RoundSchedule
+from .rounds import COMMIT, SYNC, Round, RoundSchedule
 
 ACCO_STATE_KEY = "acco"
 
@@ -151,7 +151,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self._last_backward_end = None
         self.history = deque(maxlen=10000)
         self.totals = {"rounds": 0, "micro_batches": 0, "compute_s": 0.0, "wait_s": 0.0, "comm_s": 0.0}
-        self.last_result: Optional[CommResult] = None
 
     # ------------------------------------------------------------------ hooks
     def create_gradient_handling_hooks(self):
@@ -238,7 +237,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             # Hand this round's gradients to the communication side; compute continues at once.
             self._swap_accumulators()
             self.comm.submit(self._job(nxt, finished_micro))
-        self.last_result = result
         return result
 
     def _swap_accumulators(self):
@@ -466,4 +464,4 @@ def dist_rank() -> int:
     return tdist.get_rank() if tdist.is_initialized() else 0
 
 
-__all__ = ["ACCOZeroOptimizer", "CommResult", "RoundStats", "STARTUP", "ESTIMATE", "PEEK"]
+__all__ = ["ACCOZeroOptimizer", "CommResult", "RoundStats"]

@@ -94,7 +94,6 @@ def main():
         grads = [torch.randn(s, device=dev, generator=g).bfloat16() for s in sizes_t]
         offsets = [sum(sizes_t[:i]) for i in range(64)]
         flat = torch.zeros(n, device=dev)
-        del src
         cases = {
             # name: (fused, unfused, bytes that must move)
             "peek": (lambda: native.adamw_update(master, grad, m, v, out, commit=False, **ADAM),
