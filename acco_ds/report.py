@@ -16,6 +16,35 @@ def _version(pkg):
         return "not installed"
 
 
+def _ops_table(torch):
+    """The acco_ds.ops table and the engine's kernel choice; a clear line instead of a crash when
+    the ops package (or a part of it) is missing or fails."""
+    try:
+        from acco_ds import ops
+    except Exception as err:  # noqa: BLE001 - report, do not crash
+        print(f"  acco_ds.ops unavailable: {type(err).__name__}: {err}")
+        return
+    if not hasattr(ops, "op_report"):
+        print("  acco_ds.ops has no op_report(): ops table unavailable in this build")
+    else:
+        try:
+            rows = ops.op_report()
+        except Exception as err:  # noqa: BLE001
+            print(f"  op_report() failed: {type(err).__name__}: {err}")
+        else:
+            print(f"  {'op':<16}{'device':<8}{'compatible':<12}{'AOT built':<11}{'loadable':<10}auto uses")
+            for row in rows:
+                print(f"  {row.get('op', '?'):<16}{row.get('device', '?'):<8}{str(row.get('compatible')):<12}"
+                      f"{str(row.get('aot_built')):<11}{str(row.get('loadable')):<10}{row.get('auto_uses', '?')}"
+                      + (f"   ({row['error']})" if row.get("error") else ""))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        name = ops.load_kernels("auto", device).name
+    except Exception as err:  # noqa: BLE001
+        name = f"unavailable ({type(err).__name__}: {err})"
+    print(f"engine kernels ..... {name} (acco.kernels=\"auto\" on {device})")
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "report":
@@ -35,17 +64,14 @@ def main(argv=None):
     print(f"CUDA available ..... {torch.cuda.is_available()}")
     print(f"patch active ....... {acco_ds.is_patched()} (acco_ds.patch() in this process)")
     print("\nnative ops (building them if needed):")
-    from acco_ds import ops
-    print(f"  {'op':<16}{'device':<8}{'compatible':<12}{'AOT built':<11}{'loadable':<10}auto uses")
-    for row in ops.op_report():
-        print(f"  {row['op']:<16}{row['device']:<8}{str(row['compatible']):<12}{str(row['aot_built']):<11}"
-              f"{str(row['loadable']):<10}{row['auto_uses']}" + (f"   ({row['error']})" if "error" in row else ""))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"engine kernels ..... {ops.load_kernels('auto', device).name} (acco.kernels=\"auto\" on {device})")
+    _ops_table(torch)
     print("\nDeepSpeed environment (ds_report):")
     sys.stdout.flush()
-    from deepspeed.env_report import main as ds_report
-    ds_report(hide_operator_status=True)
+    try:
+        from deepspeed.env_report import main as ds_report
+        ds_report(hide_operator_status=True)
+    except Exception as err:  # noqa: BLE001
+        print(f"ds_report failed: {type(err).__name__}: {err}")
     return 0
 
 

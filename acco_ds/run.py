@@ -19,6 +19,7 @@ runner moves it after the script path, where the script's argument parser
 expects it, and sets ``LOCAL_RANK`` if it is missing.
 """
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -63,8 +64,21 @@ def main(argv=None):
     acco_ds.patch()
     sys.argv = [target] + local_rank + list(script_args)
     if is_module:
+        # As `python -m`: the working directory is importable, also when the runner itself was
+        # started as a console script (`deepspeed --no_python acco-ds-run -m pkg.train`).
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError) as err:
+            spec, why = None, f" ({err})"
+        else:
+            why = ""
+        if spec is None:
+            raise SystemExit(f"acco_ds.run: module {target!r} not found{why}\n{USAGE}")
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
+        # As `python script.py`: the script's directory comes first on sys.path.
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
         runpy.run_path(target, run_name="__main__")
     return 0

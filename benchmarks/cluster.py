@@ -3,23 +3,30 @@
 Each of the 2 ranks runs in its own network namespace; a veth pair joins them
 and a ``tbf`` qdisc on both ends limits the bandwidth (a real slow link, not a
 sleep). gloo is bound to those addresses, each rank is pinned to one core.
-The "unlimited" rows use plain loopback. The namespaces are always removed
-(also on errors and Ctrl-C; ``--cleanup`` removes leftovers of a killed run).
+The "unlimited" rows use plain loopback, no namespaces. The namespaces are
+always removed (errors, Ctrl-C, SIGTERM; ``--cleanup`` removes the leftovers
+of a run that was killed with SIGKILL).
 
-    python benchmarks/cluster.py throughput     # bandwidth x mode table
-    python benchmarks/cluster.py hetero         # one rank slowed x1.5 and x2
-    python benchmarks/cluster.py convergence    # validation loss vs tokens / time at 200 Mbit
-    python benchmarks/cluster.py all            # the three, as in BENCHMARKS.md
-    python benchmarks/cluster.py smoke          # a few steps on loopback (the test suite runs this)
+    python benchmarks/cluster.py all          # everything below, the BENCHMARKS.md tables
+    python benchmarks/cluster.py netcheck     # measure what the tbf link really carries
+    python benchmarks/cluster.py throughput   # bandwidth x mode table
+    python benchmarks/cluster.py hetero       # one rank slowed x1.5 and x2
+    python benchmarks/cluster.py convergence  # validation loss vs tokens / wall-clock at 200 Mbit
+    python benchmarks/cluster.py one --bandwidth 200mbit --mode dpu   # one row again
+    python benchmarks/cluster.py smoke        # a few steps on loopback (tests/test_cluster_smoke.py)
+    python benchmarks/cluster.py --cleanup    # remove namespaces left by a killed run
 
 The workload is examples/train_gpt.py (0.84M-parameter byte-level GPT on the
-stdlib source). Results go to benchmarks/results/cluster_*.json(l) and the
-markdown tables to benchmarks/results/cluster_tables.md.
+stdlib source, configs/acco_cpu*.json). Results: benchmarks/results/
+cluster_<command>.{md,json,csv}, one record per run (with the exact rank
+command lines) in cluster_runs_<command>.jsonl, plots cluster_convergence*.png.
 """
 
 import argparse
+import csv
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -33,29 +40,63 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TRAIN = ROOT / "examples" / "train_gpt.py"
-CONFIG = ROOT / "configs" / "acco_cpu.json"
-PREFIX = "accobench"
+CONFIGS = {"fixed": "configs/acco_cpu.json", "adaptive": "configs/acco_cpu_adaptive.json"}
+PREFIX = "acco-bench-"
+OLD_PREFIXES = ("accobench", )  # names used by earlier versions of this script
 ADDRS = ["10.231.0.1", "10.231.0.2"]  # only inside the namespaces this script creates
+STOCK = "ZeRO-1 (stock)"
 MODES = {  # label -> train_gpt.py flags
-    "ZeRO-1 (stock)": ["--mode", "zero1"],
+    STOCK: ["--mode", "zero1"],
     "acco_ds sync": ["--mode", "sync"],
     "dpu": ["--mode", "dpu"],
     "acco fixed": ["--mode", "acco", "--accumulation", "fixed"],
     "acco adaptive": ["--mode", "acco", "--accumulation", "adaptive"],
 }
 BANDWIDTHS = ["unlimited", "1gbit", "200mbit", "50mbit"]
+GAS, MICRO_BS, BLOCK = 4, 8, 128  # configs/acco_cpu.json: 4 micro-batches of 8 x 128 tokens per rank per step
+# Duration model for the printed estimate (measured on the 2-core AMD EPYC of BENCHMARKS.md).
+RUN_OVERHEAD_S = 9.0  # interpreter + DeepSpeed start-up + first evaluation, per run
+COMPUTE_STEP_S = 0.40  # 4 micro-batches on one core
+
+# ------------------------------------------------------------------ subprocesses
 
 
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=60)
+def sh(*cmd, check=True, timeout=30):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout)
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and anything it started (own session)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# --------------------------------------------------------------------- network
+
+
+def rate_bits(rate):
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * factor
+    raise ValueError(f"bandwidth {rate!r}: use e.g. 50mbit, 200mbit, 1gbit")
 
 
 class Network:
-    """Two namespaces joined by a veth pair with a tbf limit; ``close()`` removes them."""
+    """Two namespaces joined by a veth pair with a tbf limit on both ends; ``close()`` removes them."""
 
     def __init__(self):
-        self.ns = [f"{PREFIX}{os.getpid()}r{r}" for r in range(2)]
-        self.dev = ["acv0", "acv1"]
+        pid = os.getpid()
+        self.ns = [f"{PREFIX}{pid}-r{r}" for r in range(2)]
+        self.dev = [f"acb{pid}r{r}"[:15] for r in range(2)]  # IFNAMSIZ
         self.rate = None
         try:
             for ns in self.ns:
@@ -69,31 +110,58 @@ class Network:
         except BaseException:
             self.close()
             raise
+        print(f"network: namespaces {self.ns[0]} ({ADDRS[0]} on {self.dev[0]}) and {self.ns[1]} ({ADDRS[1]} on "
+              f"{self.dev[1]}), veth pair", flush=True)
 
     def limit(self, rate):
+        rate_bits(rate)
         for r in range(2):
             sh("tc", "-n", self.ns[r], "qdisc", "replace", "dev", self.dev[r], "root", "tbf", "rate", rate, "burst",
                "256kb", "latency", "50ms")
         self.rate = rate
 
+    def tx_bytes(self):
+        """Bytes each end has sent so far."""
+        out = []
+        for r in range(2):
+            info = json.loads(sh("ip", "-n", self.ns[r], "-j", "-s", "link", "show", "dev", self.dev[r]).stdout)
+            out.append(info[0]["stats64"]["tx"]["bytes"])
+        return out
+
     def close(self):
         for ns in self.ns:
-            sh("ip", "netns", "del", ns, check=False)
+            remove_namespace(ns)
+
+
+def remove_namespace(ns):
+    """Kill what still runs in a namespace this script created (its own ranks), then delete it."""
+    pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    sh("ip", "netns", "del", ns, check=False)
+
+
+def list_namespaces():
+    out = sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith((PREFIX, ) + OLD_PREFIXES)]
 
 
 def cleanup_leftovers():
-    out = sh("ip", "netns", "list", check=False).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+    names = list_namespaces()
     for ns in names:
-        sh("ip", "netns", "del", ns, check=False)
+        remove_namespace(ns)
     return names
 
 
-def can_use_namespaces():
+def namespaces_unavailable():
+    """Why the slow-link rows cannot run here (None when they can)."""
     if os.geteuid() != 0:
-        return "not root"
+        return "network namespaces need root (this process is not root)"
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) not installed"
+        return "iproute2 (ip, tc) is not installed"
     return None
 
 
@@ -103,75 +171,153 @@ def free_port():
         return s.getsockname()[1]
 
 
-def command_line(args, bandwidth, mode, extra):
-    """The command a person runs to reproduce one row (the harness adds nothing else)."""
-    flags = " ".join(MODES[mode] + extra)
-    return (f"python benchmarks/cluster.py one --bandwidth {bandwidth} --mode '{mode}' --steps {args.steps} "
-            f"--warmup {args.warmup}" + (f" --extra '{' '.join(extra)}'" if extra else "")), flags
-
-
-def run_ranks(args, net, bandwidth, mode, extra, timeout=600):
-    """Launch the 2 ranks of one training run; return rank 0's results JSON."""
-    out_dir = Path(tempfile.mkdtemp(prefix="acco_cluster_"))
-    base = [sys.executable, str(TRAIN), "--deepspeed_config", str(CONFIG), "--steps", str(args.steps),
-            "--warmup_steps", str(args.warmup), "--eval_interval", str(args.eval_interval), "--eval_batches",
-            str(args.eval_batches), "--results", str(out_dir / "result.json")] + MODES[mode] + extra
-    procs, logs = [], []
-    port = free_port()
-    for r in range(2):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="2",
-                   LOCAL_RANK="0", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        if net is None:
-            env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r))
-            cmd = ["taskset", "-c", str(r % os.cpu_count())] + base
-        else:
-            env.update(MASTER_ADDR=ADDRS[0], GLOO_SOCKET_IFNAME=net.dev[r])
-            cmd = ["ip", "netns", "exec", net.ns[r], "taskset", "-c", str(r % os.cpu_count())] + base
-        log = open(out_dir / f"rank{r}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    deadline = time.monotonic() + timeout
+_RECV = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(30)
+c, _ = s.accept(); c.settimeout(30); n, t0 = 0, None
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    t0 = t0 or time.perf_counter()
+    n += len(b)
+print(n, time.perf_counter() - t0)
+"""
+_SEND = """
+import socket, sys, time
+for _ in range(100):
     try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"{mode} at {bandwidth} did not finish in {timeout}s; logs in {out_dir}")
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30); break
+    except OSError:
+        time.sleep(0.05)
+buf, end = b"x" * 65536, time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end:
+    c.sendall(buf)
+c.close()
+"""
+
+
+def measure_link(net, seconds=3.0):
+    """TCP goodput from rank 0's namespace to rank 1's over the limited veth, in bit/s."""
+    port = free_port()
+    recv = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-c", _RECV, ADDRS[1], str(port)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        sh("ip", "netns", "exec", net.ns[0], sys.executable, "-c", _SEND, ADDRS[1], str(port), str(seconds),
+           timeout=seconds + 40)
+        out, _ = recv.communicate(timeout=40)
     finally:
+        kill_all([recv])
+    n, dt = out.split()
+    return int(n) * 8 / float(dt)
+
+
+# ------------------------------------------------------------------------- runs
+
+
+def one_command(bandwidth, mode, steps, warmup, eval_interval, eval_batches, extra=(), tokens=0):
+    """The harness command that reruns one row (it prints the row's figures)."""
+    cmd = (f"python benchmarks/cluster.py one --bandwidth {bandwidth} --mode {shlex.quote(mode)} --steps {steps} "
+           f"--warmup {warmup} --eval_interval {eval_interval} --eval_batches {eval_batches}")
+    if tokens:
+        cmd += f" --tokens {tokens}"
+    if extra:
+        cmd += f" --extra {shlex.quote(' '.join(extra))}"
+    return cmd
+
+
+def rank_commands(net, mode_flags, spec, out_json, port):
+    """(env, argv) of each rank; ``spec`` holds steps/warmup/eval/extra."""
+    config = CONFIGS["adaptive" if "adaptive" in mode_flags else "fixed"]
+    base = [sys.executable, str(TRAIN), "--deepspeed_config", str(ROOT / config), "--steps", str(spec["steps"]),
+            "--warmup_steps", str(spec["warmup"]), "--eval_interval", str(spec["eval_interval"]), "--eval_batches",
+            str(spec["eval_batches"]), "--results", str(out_json)] + mode_flags + list(spec.get("extra", []))
+    if spec.get("tokens"):
+        base += ["--tokens", str(spec["tokens"])]
+    cores = os.cpu_count() or 1
+    out = []
+    for r in range(2):
+        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(r), "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+        if net is None:
+            env["MASTER_ADDR"] = "127.0.0.1"
+            argv = ["taskset", "-c", str(r % cores)] + base
+        else:
+            env.update(MASTER_ADDR=ADDRS[0], GLOO_SOCKET_IFNAME=net.dev[r], LOCAL_RANK="0")
+            argv = ["ip", "netns", "exec", net.ns[r], "taskset", "-c", str(r % cores)] + base
+        out.append((env, argv))
+    return out
+
+
+def launch(cmds, out_dir, timeout, what):
+    """Start every (env, argv) at once, wait for all with a deadline; kill all on any failure or signal."""
+    procs, logs = [], []
+    try:
+        for i, (env, argv) in enumerate(cmds):
+            log = open(out_dir / f"rank{i}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=ROOT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not finish in {timeout:.0f} s; logs in {out_dir}")
+            if any(p.returncode for p in procs if p.returncode is not None):
+                break  # one rank failed: the other would wait forever on a collective
+            time.sleep(0.1)
+        if any(p.returncode for p in procs if p.returncode is not None):
+            kill_all(procs)
+            tail = "".join((out_dir / f"rank{i}.log").read_text()[-2500:] for i in range(len(procs)))
+            raise RuntimeError(f"{what} failed (logs in {out_dir}):\n{tail}")
+    finally:
+        kill_all(procs)
         for log in logs:
             log.close()
-    if any(p.returncode for p in procs):
-        tail = (out_dir / "rank0.log").read_text()[-2000:] + (out_dir / "rank1.log").read_text()[-2000:]
-        raise RuntimeError(f"{mode} at {bandwidth} failed (logs in {out_dir}):\n{tail}")
-    result = json.loads((out_dir / "result.json").read_text())
-    shutil.rmtree(out_dir, ignore_errors=True)
-    return result
 
 
-def summarize(result, compute_per_step):
-    """Per-step figures of one run (after warm-up)."""
+def shell_line(env, argv):
+    return " ".join(f"{k}={v}" for k, v in env.items() if k != "PYTHONUNBUFFERED") + " " + " ".join(
+        shlex.quote(a) for a in argv)
+
+
+def summarize(result, compute_micro_s):
+    """Per-step figures of one run, over the steps after warm-up."""
+    steps = max(result["measured_steps"], 1)
     step = result["measured_step_time_s"]
-    row = {"samples_per_s": result["measured_samples_per_s"], "step_time_s": step, "compute_s": compute_per_step,
-           "exposed_comm_s": max(step - compute_per_step, 0.0), "final_val_loss": result["final_val_loss"]}
-    acco = result.get("acco")
-    if acco and "measured" in acco and result["measured_steps"]:
-        m = acco["measured"]
-        comm = m["comm_s"] / result["measured_steps"]
-        row["comm_s"] = comm
+    acco = result.get("acco") or {}
+    m = acco.get("measured")
+    # Micro-batches one rank computes per committed step (rank 0; adaptive rounds take more than 4).
+    micro = m["micro_batches"] / steps if m else GAS
+    compute = compute_micro_s * micro
+    row = {"samples_per_s": result["measured_samples_per_s"], "step_time_s": step, "micro_per_step": micro,
+           "compute_s": compute, "exposed_comm_s": max(step - compute, 0.0),
+           "final_val_loss": result["final_val_loss"], "first_val_loss": result["first_loss"],
+           "wait_s": None, "comm_busy_s": None, "hidden": None}
+    if m:
+        row["wait_s"] = m["wait_s"] / steps
+        row["comm_busy_s"] = m["comm_s"] / steps
         row["hidden"] = max(0.0, 1 - m["wait_s"] / m["comm_s"]) if m["comm_s"] > 0 else None
-        row["micro_per_round"] = m["micro_batches"] / max(m["rounds"], 1)
+    if "micro_batches_per_rank" in acco:
         row["micro_per_rank"] = acco["micro_batches_per_rank"]
     else:
-        row["comm_s"], row["hidden"] = row["exposed_comm_s"], 0.0  # stock ZeRO-1 overlaps nothing on CPU
+        row["micro_per_rank"] = [result["micro_batches"]] * result["world_size"]
+    if result.get("link_tx_bytes"):
+        row["link_mb_per_step"] = max(result["link_tx_bytes"]) / max(result["steps"], 1) / 1e6
     return row
 
 
-def median_spread(values):
+def stats3(values):
     values = [v for v in values if v is not None]
     if not values:
-        return None, None, None
+        return None
     return statistics.median(values), min(values), max(values)
+
+
+def fmt3(s, digits=1, unit=""):
+    if s is None:
+        return "–"
+    return f"{s[0]:.{digits}f}{unit} ({s[1]:.{digits}f}–{s[2]:.{digits}f})"
 
 
 class Harness:
@@ -179,60 +325,97 @@ class Harness:
     def __init__(self, args):
         self.args = args
         self.net = None
-        self.rows = []
+        self.rows = []  # summarized runs, for the CSV
         RESULTS.mkdir(parents=True, exist_ok=True)
-        self.log = open(RESULTS / f"cluster_runs_{args.command}.jsonl", "a")
-        self.compute_per_step = None
+        mode = "a" if args.command == "one" else "w"
+        self.log = open(RESULTS / f"cluster_runs_{args.command}.jsonl", mode)
+        self.compute_micro_s = None
+        self.link = {}
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
         if self.net is not None:
-            self.net.close()
-            self.net = None
-        self.log.close()
+            net, self.net = self.net, None
+            net.close()
+            print(f"network: namespaces {net.ns[0]}, {net.ns[1]} removed", flush=True)
+        if not self.log.closed:
+            self.log.close()
 
     def network(self, bandwidth):
         if bandwidth == "unlimited":
             return None
-        reason = can_use_namespaces()
-        if reason:
-            raise SystemExit(f"cannot emulate {bandwidth}: {reason}. Run as root, or use --bandwidths unlimited "
-                             f"for the plain loopback run")
         if self.net is None:
             self.net = Network()
         if self.net.rate != bandwidth:
             self.net.limit(bandwidth)
         return self.net
 
-    def run(self, bandwidth, mode, extra=(), repeat=0, tag=""):
-        extra = list(extra)
-        result = run_ranks(self.args, self.network(bandwidth), bandwidth, mode, extra)
-        cmd, _ = command_line(self.args, bandwidth, mode, extra)
-        record = {"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": extra, "repeat": repeat, "command": cmd,
+    def raw_network(self):
+        """The namespaces before any tbf limit is set (for the link check)."""
+        if self.net is None:
+            self.net = Network()
+        return self.net
+
+    def run(self, bandwidth, mode, spec, repeat=0, tag=""):
+        """One training run on 2 ranks; returns rank 0's results JSON (plus link byte counts)."""
+        net = self.network(bandwidth)
+        out_dir = Path(tempfile.mkdtemp(prefix="acco_cluster_"))
+        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", free_port())
+        before = net.tx_bytes() if net else None
+        t0 = time.perf_counter()
+        launch(cmds, out_dir, self.args.run_timeout, f"{mode} at {bandwidth}")
+        wall = time.perf_counter() - t0
+        result = json.loads((out_dir / "result.json").read_text())
+        if net:
+            result["link_tx_bytes"] = [a - b for a, b in zip(net.tx_bytes(), before)]
+        shutil.rmtree(out_dir, ignore_errors=True)
+        extra = list(spec.get("extra", []))
+        row = summarize(result, self.calibrate())
+        record = {"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": extra, "repeat": repeat,
+                  "wall_s": wall, "command": one_command(bandwidth, mode, spec["steps"], spec["warmup"],
+                                                         spec["eval_interval"], spec["eval_batches"], extra,
+                                                         spec.get("tokens", 0)),
+                  "rank_commands": [shell_line(env, argv) for env, argv in cmds], "row": row,
                   "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"]}
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
-        print(f"  {tag:<12} {bandwidth:>9}  {mode:<16} {' '.join(extra):<28} "
-              f"{result['measured_samples_per_s']:7.1f} samples/s  {result['measured_step_time_s']:.3f} s/step",
-              flush=True)
+        self.rows.append({"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": " ".join(extra),
+                          "repeat": repeat, "wall_s": round(wall, 2), **{k: v for k, v in row.items()}})
+        print(f"  {tag:<11} {bandwidth:>9}  {mode:<15} {' '.join(extra):<30} {row['samples_per_s']:7.1f} samples/s "
+              f"{row['step_time_s']:.3f} s/step  val {row['final_val_loss']:.3f}  ({wall:.0f} s)", flush=True)
+        result["_record"] = record
         return result
 
-    def calibrate_compute(self):
-        """Compute time per step without communication: one rank alone (world size 1), same per-rank work."""
-        if self.compute_per_step is None:
-            out = Path(tempfile.mkdtemp()) / "r.json"
-            cmd = ["taskset", "-c", "0", sys.executable, str(TRAIN), "--deepspeed_config", str(CONFIG), "--steps",
-                   str(self.args.steps), "--warmup_steps", str(self.args.warmup), "--mode", "zero1",
-                   "--eval_interval", "100000", "--eval_batches", "1", "--results", str(out)]
-            env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1",
-                       LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-            subprocess.run(cmd, env=env, check=True, timeout=600, cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-            self.compute_per_step = json.loads(out.read_text())["measured_step_time_s"]
-            print(f"compute per step, 1 rank, no communication: {self.compute_per_step:.3f} s", flush=True)
-        return self.compute_per_step
+    def calibrate(self):
+        """Compute time per micro-batch with no communication at all: two world-size-1 runs at the same
+        time, one per core (the same per-core load as the 2-rank runs), stock ZeRO-1, same micro-batches."""
+        if self.compute_micro_s is None:
+            out_dir = Path(tempfile.mkdtemp(prefix="acco_calib_"))
+            cmds = []
+            for r in range(2):
+                env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                argv = ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, str(TRAIN),
+                        "--deepspeed_config", str(ROOT / CONFIGS["fixed"]), "--mode", "zero1", "--steps",
+                        str(self.args.steps), "--warmup_steps", str(self.args.warmup), "--eval_interval", "1000000",
+                        "--eval_batches", "2", "--seed", str(1234 + r), "--results", str(out_dir / f"r{r}.json")]
+                cmds.append((env, argv))
+            launch(cmds, out_dir, self.args.run_timeout, "compute calibration")
+            steps = [json.loads((out_dir / f"r{r}.json").read_text())["measured_step_time_s"] for r in range(2)]
+            shutil.rmtree(out_dir, ignore_errors=True)
+            self.compute_micro_s = statistics.mean(steps) / GAS
+            self.calibration_cmd = shell_line(*cmds[0]) + "  (and the same on core 1, concurrently)"
+            print(f"compute, no communication (world size 1, both cores busy): {statistics.mean(steps):.3f} s per "
+                  f"step of {GAS} micro-batches ({', '.join(f'{s:.3f}' for s in steps)})", flush=True)
+        return self.compute_micro_s
+
+
+# ----------------------------------------------------------------------- tables
 
 
 def param_count():
@@ -241,204 +424,398 @@ def param_count():
     return sum(p.numel() for p in GPT().parameters())
 
 
-def workload_line(compute):
+def bytes_per_step(n, gloo=True):
+    """Bytes one rank sends per committed step, fp32, 2 ranks. With bandwidth-optimal (ring) collectives a rank
+    sends (W-1)/W of the data per reduce-scatter or all-gather: stock ZeRO-1 all-reduces the gradients (4N) and
+    all-gathers the updated parameters (2N); each ACCO round reduce-scatters (2N) and all-gathers (2N), ACCO has 2
+    rounds per step, DPU and sync 1. gloo (torch 2.13, CPU) sends as many bytes for a reduce-scatter as for an
+    all-reduce (4N; measured with the veth counters, the "link MB" column), so there a round costs 6N."""
+    rs = 4 * n if gloo else 2 * n
+    return {"stock": 6 * n, "acco": 2 * (rs + 2 * n), "dpu/sync": rs + 2 * n}
+
+
+def workload_text(compute_step):
     n = param_count()
-    # Per step and rank, fp32, 2 ranks: stock ZeRO-1 all-reduces gradients (ring: 2 x N/2 x 4 bytes out) and
-    # all-gathers parameters (N/2 x 4); ACCO reduce-scatters and all-gathers (N/2 x 4 each) in each of 2 rounds.
-    stock = (2 * n / 2 + n / 2) * 4
-    acco = 2 * (n / 2 + n / 2) * 4
-    lines = [f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), micro-batch 8 x 128 tokens, 4 micro-batches per "
-             f"rank per step, 2 ranks. Compute per step (1 rank alone): {compute:.3f} s."]
+    ideal, gloo = bytes_per_step(n, gloo=False), bytes_per_step(n)
+    lines = [f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), micro-batch {MICRO_BS} x {BLOCK} tokens, {GAS} "
+             f"micro-batches per rank per step, 2 ranks. Compute per step, no communication: {compute_step:.3f} s. "
+             f"Bytes one rank sends per committed step and the link time they take (see `bytes_per_step`: gloo's "
+             f"reduce-scatter sends as much as an all-reduce; ideal = bandwidth-optimal ring):", "",
+             "| link | stock ZeRO-1 | ACCO (2 rounds), gloo / ideal | DPU, sync (1 round), gloo / ideal | "
+             "compute per step |", "|---|---|---|---|---|"]
     for bw in BANDWIDTHS[1:]:
-        rate = float(bw[:-4]) * (1e9 if bw.endswith("gbit") else 1e6) / 8
-        lines.append(f"  {bw}: bytes sent per rank per step: stock {stock / 1e6:.1f} MB = {stock / rate:.3f} s, "
-                     f"ACCO {acco / 1e6:.1f} MB = {acco / rate:.3f} s of link time")
+        rate = rate_bits(bw) / 8
+        cells = [f"{gloo['stock'] / 1e6:.1f} MB = {gloo['stock'] / rate:.2f} s"]
+        for k in ("acco", "dpu/sync"):
+            cells.append(f"{gloo[k] / 1e6:.1f} MB = {gloo[k] / rate:.2f} s / {ideal[k] / 1e6:.1f} MB = "
+                         f"{ideal[k] / rate:.2f} s")
+        lines.append(f"| {bw} | " + " | ".join(cells) + f" | {compute_step:.3f} s |")
     return "\n".join(lines)
 
 
-def table_throughput(h, runs):
-    compute = h.calibrate_compute()
-    lines = [workload_line(compute), "",
-             "| bandwidth | mode | samples/s (median, min–max) | s/step | compute s/step | exposed comm s/step | "
-             "comm hidden | speedup vs ZeRO-1 |", "|---|---|---|---|---|---|---|---|"]
-    for bw in h.args.bandwidths:
-        base = None
-        for mode in h.args.modes:
-            rows = [summarize(r, compute) for r in runs[(bw, mode)]]
-            sps = median_spread([r["samples_per_s"] for r in rows])
-            step = median_spread([r["step_time_s"] for r in rows])[0]
-            exposed = median_spread([r["exposed_comm_s"] for r in rows])[0]
-            hidden = median_spread([r["hidden"] for r in rows])[0]
-            if mode == "ZeRO-1 (stock)":
-                base = sps[0]
-            speedup = f"{sps[0] / base:.2f}x" if base else "-"
-            lines.append(f"| {bw} | {mode} | {sps[0]:.1f} ({sps[1]:.1f}–{sps[2]:.1f}) | {step:.3f} | {compute:.3f} | "
-                         f"{exposed:.3f} | {'-' if hidden is None else f'{100 * hidden:.0f}%'} | {speedup} |")
-    return "\n".join(lines)
+def cmd_netcheck(h):
+    if h.args.skip_netcheck:
+        return None
+    lines = ["| tbf rate (both ends) | measured TCP goodput rank 0 → rank 1 (3 s) |", "|---|---|"]
+    limited = [b for b in h.args.bandwidths if b != "unlimited"]
+    if limited and (h.net is None or h.net.rate is None):
+        got = measure_link(h.raw_network())
+        lines.append(f"| none (same veth pair, no qdisc) | {got / 1e6:.0f} Mbit/s |")
+        print(f"  link check, no tbf: {got / 1e6:.0f} Mbit/s", flush=True)
+    for bw in limited:
+        got = measure_link(h.network(bw))
+        lines.append(f"| {bw} | {got / 1e6:.1f} Mbit/s ({100 * got / rate_bits(bw):.0f}% of the rate) |")
+        print(f"  link check {bw}: {got / 1e6:.1f} Mbit/s", flush=True)
+    if len(lines) == 2:
+        return None
+    text = ("The limit is real: a TCP stream between the two namespaces, over the veth pair that gloo uses, "
+            "measured with `python benchmarks/cluster.py netcheck`:\n\n" + "\n".join(lines))
+    print("\n" + text)
+    return "### Link check\n\n" + text
+
+
+def throughput_spec(args):
+    return {"steps": args.steps, "warmup": args.warmup, "eval_interval": args.eval_interval,
+            "eval_batches": args.eval_batches}
 
 
 def cmd_throughput(h):
+    spec = throughput_spec(h.args)
     runs = {}
-    for repeat in range(h.args.repeats):
+    for repeat in range(h.args.repeats):  # repeats outermost: drift of the machine hits every mode alike
         for bw in h.args.bandwidths:
             for mode in h.args.modes:
-                runs.setdefault((bw, mode), []).append(h.run(bw, mode, repeat=repeat, tag="throughput"))
-    text = table_throughput(h, runs)
+                runs.setdefault((bw, mode), []).append(h.run(bw, mode, spec, repeat=repeat, tag="throughput"))
+    compute_step = h.calibrate() * GAS
+    head = ("| bandwidth | mode | samples/s median (min–max) | s/step | micro-batches /rank/step | compute s/step | "
+            "exposed comm s/step | compute waited s/step (ACCO) | comm hidden | link MB sent /rank/step | "
+            "speedup vs ZeRO-1 median (min–max) |")
+    lines = [workload_text(compute_step), "", head, "|---" * (head.count("|") - 1) + "|"]
+    table = []
+    for bw in h.args.bandwidths:
+        stock = runs.get((bw, STOCK))
+        for mode in h.args.modes:
+            rs = runs[(bw, mode)]
+            rows = [r["_record"]["row"] for r in rs]
+            sps = stats3([r["samples_per_s"] for r in rows])
+            med = {k: stats3([r.get(k) for r in rows]) for k in ("step_time_s", "micro_per_step", "compute_s",
+                                                                  "exposed_comm_s", "wait_s", "hidden",
+                                                                  "link_mb_per_step")}
+            speed = stats3([a["measured_samples_per_s"] / b["measured_samples_per_s"] for a, b in zip(rs, stock)]) \
+                if stock else None
+
+            def cell(key, digits=3):
+                return "–" if med[key] is None else f"{med[key][0]:.{digits}f}"
+
+            hidden = "– (no overlap)" if mode == STOCK else \
+                ("–" if med["hidden"] is None else f"{100 * med['hidden'][0]:.0f}%")
+            lines.append(f"| {bw} | {mode} | {fmt3(sps)} | {cell('step_time_s')} | {cell('micro_per_step', 1)} | "
+                         f"{cell('compute_s')} | {cell('exposed_comm_s')} | {cell('wait_s')} | {hidden} | "
+                         f"{cell('link_mb_per_step', 2)} | {fmt3(speed, 2, 'x')} |")
+            table.append({"bandwidth": bw, "mode": mode, "samples_per_s": sps, "speedup": speed,
+                          **{k: v for k, v in med.items()}, "command": rs[0]["_record"]["command"]})
+    cmds = sorted({r["_record"]["command"] for rs in runs.values() for r in rs})
+    text = "\n".join(lines) + "\n\nEach row (one run; the table is the median of the repeats):\n\n" + "\n".join(
+        f"    {c}" for c in cmds)
     print("\n" + text)
-    return "## Throughput\n\n" + text
+    h.tables["throughput"] = table
+    return "### Throughput\n\n" + text
 
 
 def cmd_hetero(h):
     bw = h.args.hetero_bandwidth
-    lines = [f"Bandwidth {bw}; rank 1 slowed by the factor (benchmark-only: it sleeps (factor-1) x its own "
-             f"forward+backward time after each micro-batch).", "",
-             "| slow factor (rank 1) | mode | samples/s (median, min–max) | speedup vs ZeRO-1 | micro-batches rank 0 / rank 1 |",
-             "|---|---|---|---|---|"]
+    spec = throughput_spec(h.args)
+    lines = [f"Bandwidth {bw}. Rank 1 is slowed by the factor (benchmark-only): after each micro-batch's backward "
+             f"it sleeps (factor − 1) × the time of that micro-batch — stock ZeRO-1: `train_gpt.py --slow_rank 1 "
+             f"--slow_factor F` sleeps in the training loop (no ACCO block); ACCO: the engine's "
+             f"`acco.emulation` block, set by the same flags. Every row below is slowed that way.", "",
+             "| rank 1 slowed | mode | samples/s median (min–max) | s/step | speedup vs ZeRO-1 median (min–max) | "
+             "micro-batches rank 0 / rank 1 (share of rank 1) |", "|---|---|---|---|---|---|"]
+    table, cmds = [], []
     for factor in h.args.factors:
-        base = None
-        for mode in ("ZeRO-1 (stock)", "acco adaptive"):
-            extra = ["--slow_rank", "1", "--slow_factor", str(factor)]
-            res = [h.run(bw, mode, extra, repeat=i, tag="hetero") for i in range(h.args.repeats)]
-            sps = median_spread([r["measured_samples_per_s"] for r in res])
-            base = base or sps[0]
-            shares = res[0].get("acco", {}).get("micro_batches_per_rank")
-            share = f"{shares[0]} / {shares[1]}" if shares else f"{res[0]['micro_batches']} / {res[0]['micro_batches']}"
-            lines.append(f"| x{factor} | {mode} | {sps[0]:.1f} ({sps[1]:.1f}–{sps[2]:.1f}) | {sps[0] / base:.2f}x | "
-                         f"{share} |")
-    text = "\n".join(lines)
+        extra = ["--slow_rank", "1", "--slow_factor", str(factor)] if factor > 1 else []
+        res = {m: [] for m in (STOCK, "acco adaptive")}
+        for i in range(h.args.repeats):
+            for mode in res:
+                res[mode].append(h.run(bw, mode, dict(spec, extra=extra), repeat=i, tag="hetero"))
+        for mode, rs in res.items():
+            rows = [r["_record"]["row"] for r in rs]
+            sps = stats3([r["samples_per_s"] for r in rows])
+            step = stats3([r["step_time_s"] for r in rows])
+            speed = stats3([a["measured_samples_per_s"] / b["measured_samples_per_s"] for a, b in
+                            zip(rs, res[STOCK])])
+            shares = [r["micro_per_rank"] for r in rows]
+            share = statistics.median(s[1] / sum(s) for s in shares)
+            mid = sorted(shares, key=lambda s: s[1] / sum(s))[len(shares) // 2]
+            lines.append(f"| ×{factor:g}{' (none)' if factor == 1 else ''} | {mode} | {fmt3(sps)} | "
+                         f"{step[0]:.3f} | {fmt3(speed, 2, 'x')} | {mid[0]} / {mid[1]} ({100 * share:.0f}%) |")
+            table.append({"factor": factor, "mode": mode, "samples_per_s": sps, "step_time_s": step, "speedup": speed,
+                          "micro_per_rank": shares, "command": rs[0]["_record"]["command"]})
+            cmds.append(rs[0]["_record"]["command"])
+    text = "\n".join(lines) + "\n\nEach row (one run):\n\n" + "\n".join(f"    {c}" for c in cmds)
     print("\n" + text)
-    return "## Heterogeneous workers\n\n" + text
+    h.tables["hetero"] = table
+    return "### Heterogeneous workers\n\n" + text
+
+
+def interpolate_to(history, target, key):
+    """First ``key`` (time or tokens) at which the validation loss reaches ``target``, linear between evaluations."""
+    prev = None
+    for p in history:
+        if p["val_loss"] <= target:
+            if prev is None:
+                return p[key]
+            f = (prev["val_loss"] - target) / (prev["val_loss"] - p["val_loss"])
+            return prev[key] + f * (p[key] - prev[key])
+        prev = p
+    return None
+
+
+def loss_at(history, step):
+    return min(history, key=lambda p: abs(p["step"] - step))
 
 
 def cmd_convergence(h):
-    bw = h.args.convergence_bandwidth
-    saved = (h.args.steps, h.args.warmup, h.args.eval_interval, h.args.eval_batches)
-    h.args.steps, h.args.warmup, h.args.eval_interval, h.args.eval_batches = h.args.convergence_steps, 0, 10, 16
-    results = {mode: h.run(bw, mode, tag="convergence") for mode in ("ZeRO-1 (stock)", "dpu", "acco fixed")}
-    h.args.steps, h.args.warmup, h.args.eval_interval, h.args.eval_batches = saved
+    a = h.args
+    bw = a.convergence_bandwidth
+    spec = {"steps": 0, "warmup": 0, "eval_interval": a.convergence_eval_interval,
+            "eval_batches": a.convergence_eval_batches, "tokens": a.tokens}
+    results = {mode: h.run(bw, mode, spec, tag="convergence") for mode in a.convergence_modes}
     json.dump({m: r["history"] for m, r in results.items()}, open(RESULTS / "cluster_convergence.json", "w"), indent=1)
-    base = results["ZeRO-1 (stock)"]
-    target = base["final_val_loss"] * 1.05
-
-    def time_to(r, loss):
-        for point in r["history"]:
-            if point["val_loss"] <= loss:
-                return point["time"]
-        return None
-
-    lines = [f"Bandwidth {bw}, {base['steps']} steps ({base['tokens']:,} tokens) each; target loss = 1.05 x "
-             f"ZeRO-1's final validation loss = {target:.3f}.", "",
-             "| mode | final val loss | vs ZeRO-1 | val loss at step 10 / 30 | train time (s) | time to target (s) |",
-             "|---|---|---|---|---|---|"]
+    base = results.get(STOCK) or next(iter(results.values()))
+    target = base["final_val_loss"] * a.target_ratio
+    steps = base["steps"]
+    early = [max(a.convergence_eval_interval, round(steps * f / a.convergence_eval_interval) *
+                 a.convergence_eval_interval) for f in (0.1, 0.25)]
+    lines = [f"Bandwidth {bw}; token budget {base['tokens']:,} ({steps} steps of {base['tokens'] // steps:,} tokens); "
+             f"validation every {a.convergence_eval_interval} steps on {a.convergence_eval_batches} held-out batches "
+             f"(the last 10% of the corpus); one run per mode. Wall-clock = training time without start-up and "
+             f"without the evaluations. Target loss = {a.target_ratio} × ZeRO-1's final validation loss = "
+             f"{target:.3f}.", "",
+             f"| mode | final val loss | vs ZeRO-1 | val loss at step {early[0]} / {early[1]} | train time (s) | "
+             f"time to target (s) | tokens to target |", "|---|---|---|---|---|---|---|"]
+    table = []
     for mode, r in results.items():
-        at = {p["step"]: p["val_loss"] for p in r["history"]}
-        ttt = time_to(r, target)
-        lines.append(f"| {mode} | {r['final_val_loss']:.3f} | {100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.1f}% | "
-                     f"{at.get(10, float('nan')):.3f} / {at.get(30, float('nan')):.3f} | {r['train_time_s']:.1f} | "
-                     f"{'not reached' if ttt is None else f'{ttt:.1f}'} |")
-    plot(results, bw)
-    text = "\n".join(lines) + "\n\n![validation loss](results/cluster_convergence.png)"
+        ttt = interpolate_to(r["history"], target, "time")
+        tok = interpolate_to(r["history"], target, "tokens")
+        e = [loss_at(r["history"], s) for s in early]
+        lines.append(f"| {mode} | {r['final_val_loss']:.3f} | "
+                     f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.1f}% | "
+                     f"{e[0]['val_loss']:.3f} / {e[1]['val_loss']:.3f} | {r['train_time_s']:.1f} | "
+                     f"{'not reached' if ttt is None else f'{ttt:.1f}'} | "
+                     f"{'not reached' if tok is None else f'{tok / 1e6:.2f}M'} |")
+        table.append({"mode": mode, "final_val_loss": r["final_val_loss"], "train_time_s": r["train_time_s"],
+                      "time_to_target_s": ttt, "tokens_to_target": tok, "target": target,
+                      "command": r["_record"]["command"]})
+    pngs = plot(results, bw, target)
+    text = "\n".join(lines) + "\n\n" + "\n".join(f"![{p.stem}]({p.relative_to(ROOT) if p.is_relative_to(ROOT) else p})"
+                                                for p in pngs)
+    text += "\n\nEach row:\n\n" + "\n".join(f"    {t['command']}" for t in table)
     print("\n" + text)
-    return "## Convergence\n\n" + text
+    h.tables["convergence"] = table
+    return "### Convergence\n\n" + text
 
 
-def plot(results, bw):
+def plot(results, bw, target):
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, r in results.items():
-        xs = [p["tokens"] / 1e6 for p in r["history"]]
-        ts = [p["time"] for p in r["history"]]
-        ys = [p["val_loss"] for p in r["history"]]
-        axes[0].plot(xs, ys, marker=".", label=mode)
-        axes[1].plot(ts, ys, marker=".", label=mode)
-    axes[0].set_xlabel("training tokens (M)")
-    axes[1].set_xlabel("wall-clock training time (s)")
-    for ax in axes:
-        ax.set_ylabel("validation loss")
+        print("matplotlib is not installed (pip install matplotlib): no plots")
+        return []
+    n = param_count()
+    paths = []
+    for key, xlabel, name in (("tokens", "training tokens (M)", "tokens"),
+                              ("time", "wall-clock training time (s, without evaluation)", "time")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for mode, r in results.items():
+            xs = [p[key] / (1e6 if key == "tokens" else 1) for p in r["history"]]
+            ax.plot(xs, [p["val_loss"] for p in r["history"]], marker=".", label=mode)
+        ax.axhline(target, color="grey", lw=0.8, ls="--", label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (held-out stdlib source)")
+        ax.set_ylim(top=min(ax.get_ylim()[1], 4.5))
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"GPT 0.84M on stdlib source, 2 CPU ranks, {bw} link")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "cluster_convergence.png", dpi=110)
+        ax.set_title(f"GPT {n / 1e6:.2f}M, 2 CPU ranks, {bw} link (tbf)")
+        fig.tight_layout()
+        path = RESULTS / f"cluster_convergence_{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def cmd_one(h):
-    extra = h.args.extra.split() if h.args.extra else []
-    r = h.run(h.args.bandwidth, h.args.mode, extra, tag="one")
-    print(json.dumps(summarize(r, h.calibrate_compute()), indent=1))
-    return ""
+    a = h.args
+    extra = a.extra.split() if a.extra else []
+    spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
+            "tokens": a.tokens, "extra": extra}
+    r = h.run(a.bandwidth, a.mode, spec, tag="one")
+    print("rank commands:\n" + "\n".join("    " + c for c in r["_record"]["rank_commands"]))
+    print(json.dumps(r["_record"]["row"], indent=1))
+
+
+# ------------------------------------------------------------------------- main
+
+
+def estimate_s(args, parts):
+    """Rough duration on the machine of BENCHMARKS.md (2 cores), for the printed estimate."""
+    n = 0.84e6
+
+    def run_s(bw, mode, steps, factor=1.0):
+        if bw == "unlimited":
+            comm = 0.03
+        else:
+            vol = bytes_per_step(n)["acco" if "acco" in mode else "stock"]
+            comm = vol / (rate_bits(bw) / 8)
+        compute = COMPUTE_STEP_S * factor
+        if mode == STOCK or mode == "acco_ds sync":
+            step = compute + comm
+        elif mode == "acco adaptive":
+            step = max(compute, comm)
+        else:
+            step = max(compute, comm / (2 if mode == "dpu" else 1)) + 0.02
+        return RUN_OVERHEAD_S + steps * step
+
+    total = RUN_OVERHEAD_S
+    if "netcheck" in parts:
+        total += 4 * sum(1 for b in args.bandwidths if b != "unlimited")
+    if "throughput" in parts:
+        total += args.repeats * sum(run_s(bw, m, args.steps) for bw in args.bandwidths for m in args.modes)
+    if "hetero" in parts:
+        total += args.repeats * sum(run_s(args.hetero_bandwidth, m, args.steps, f)
+                                    for f in args.factors for m in (STOCK, "acco adaptive"))
+    if "convergence" in parts:
+        steps = args.tokens / (MICRO_BS * GAS * 2 * BLOCK)
+        evals = steps / args.convergence_eval_interval * args.convergence_eval_batches / 2 * 0.05
+        total += sum(run_s(args.convergence_bandwidth, m, steps) + evals for m in args.convergence_modes)
+    return total
+
+
+def machine_line():
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in sh("lscpu", timeout=10).stdout.splitlines()
+                      if line.startswith("Model name")), "unknown CPU")
+    except (OSError, subprocess.SubprocessError):
+        model = "unknown CPU"
+    import torch
+    try:
+        from importlib.metadata import version
+        ds = version("deepspeed")
+    except Exception:  # noqa: BLE001
+        ds = "?"
+    return (f"{model}, {os.cpu_count()} cores (one per rank, `taskset`; the ACCO communication thread shares its "
+            f"rank's core), gloo, Python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {ds}")
 
 
 def main():
     global RESULTS
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("command", nargs="?", default="all",
-                   choices=["throughput", "hetero", "convergence", "all", "smoke", "one"])
-    p.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run and exit")
-    p.add_argument("--bandwidths", type=lambda s: s.split(","), default=BANDWIDTHS)
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+                   choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke"])
+    p.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run, and exit")
+    p.add_argument("--bandwidths", type=lambda s: s.split(","), default=BANDWIDTHS,
+                   help="comma-separated: unlimited (loopback), or a tbf rate such as 1gbit, 200mbit, 50mbit")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=", ".join(MODES))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--eval_interval", type=int, default=100000)
+    p.add_argument("--steps", type=int, default=12, help="committed steps per throughput run")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
+    p.add_argument("--eval_interval", type=int, default=1000000, help="throughput runs: no evaluation but the last")
     p.add_argument("--eval_batches", type=int, default=2)
-    p.add_argument("--factors", type=lambda s: [float(x) for x in s.split(",")], default=[1.5, 2.0])
+    p.add_argument("--factors", type=lambda s: [float(x) for x in s.split(",")], default=[1.5, 2.0],
+                   help="hetero: slow-down factors of rank 1 (1 = none)")
     p.add_argument("--hetero_bandwidth", default="unlimited")
     p.add_argument("--convergence_bandwidth", default="200mbit")
-    p.add_argument("--convergence_steps", type=int, default=150)
-    p.add_argument("--bandwidth", default="unlimited", help="for `one`")
-    p.add_argument("--mode", default="acco fixed", choices=list(MODES), help="for `one`")
-    p.add_argument("--extra", default="", help="for `one`: extra train_gpt.py flags")
-    p.add_argument("--out", default=None, help="markdown output (default benchmarks/results/cluster_<command>.md)")
-    p.add_argument("--results_dir", default=None, help="where run records and plots go (default benchmarks/results)")
+    p.add_argument("--convergence_modes", type=lambda s: s.split(","), default=[STOCK, "dpu", "acco fixed"])
+    p.add_argument("--tokens", type=int, default=1_638_400, help="convergence token budget (200 steps)")
+    p.add_argument("--convergence_eval_interval", type=int, default=10)
+    p.add_argument("--convergence_eval_batches", type=int, default=16)
+    p.add_argument("--target_ratio", type=float, default=1.05, help="target loss = ratio x ZeRO-1's final loss")
+    p.add_argument("--skip_netcheck", action="store_true")
+    p.add_argument("--bandwidth", default="unlimited", help="`one`: the link")
+    p.add_argument("--mode", default="acco fixed", choices=list(MODES), help="`one`: the mode")
+    p.add_argument("--extra", default="", help="`one`: extra train_gpt.py flags")
+    p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
+    p.add_argument("--results_dir", "--out", default=None,
+                   help="where tables, run records and plots go (default benchmarks/results)")
     args = p.parse_args()
-    RESULTS = Path(args.results_dir) if args.results_dir else RESULTS
+    if args.results_dir:
+        RESULTS = Path(args.results_dir).resolve()
     if args.cleanup:
-        print("removed:", cleanup_leftovers() or "nothing")
+        if namespaces_unavailable():
+            raise SystemExit(f"--cleanup: {namespaces_unavailable()}")
+        print("removed:", ", ".join(cleanup_leftovers()) or "nothing to remove")
         return
     if args.command == "smoke":
         args.bandwidths, args.repeats, args.steps, args.warmup = ["unlimited"], 1, 2, 1
-    for name in args.modes:
+    if args.command == "one":
+        args.bandwidths = [args.bandwidth]
+        if args.tokens == p.get_default("tokens"):
+            args.tokens = 0
+    for name in args.modes + args.convergence_modes:
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; known: {', '.join(MODES)}")
+    parts = {"all": ["netcheck", "throughput", "hetero", "convergence"], "smoke": ["throughput"]}.get(
+        args.command, [args.command])
+    needs_ns = [b for b in args.bandwidths if b != "unlimited" and set(parts) & {"netcheck", "throughput", "one"}]
+    needs_ns += [b for part, b in (("hetero", args.hetero_bandwidth), ("convergence", args.convergence_bandwidth))
+                 if part in parts and b != "unlimited"]
+    reason = namespaces_unavailable() if needs_ns else None
+    if reason:
+        raise SystemExit(f"cannot emulate {', '.join(sorted(set(needs_ns)))}: {reason}.\nThe plain loopback run "
+                         f"(bandwidth 'unlimited', both ranks on localhost, no namespaces) works without root:\n"
+                         f"    python benchmarks/cluster.py {args.command} --bandwidths unlimited "
+                         f"--hetero_bandwidth unlimited --convergence_bandwidth unlimited")
 
     def stop(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, stop)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    signal.signal(signal.SIGINT, stop)
+    est = estimate_s(args, parts)
+    command = "python benchmarks/cluster.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    print(f"{command}\nestimated duration on a quiet 2-core machine: {est / 60:.0f} min", flush=True)
     started = time.time()
-    machine = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/ *Model name: *//'"],
-                             capture_output=True, text=True).stdout.strip()
-    import torch
-    header = (f"Machine: {machine}, {os.cpu_count()} cores, one core per rank (taskset), gloo; torch "
-              f"{torch.__version__}; {time.strftime('%Y-%m-%d')}. Command: `python benchmarks/cluster.py "
-              f"{' '.join(sys.argv[1:])}`. {args.repeats} repeat(s), {args.steps} steps per run of which "
-              f"{args.warmup} warm-up steps are excluded.")
     sections = []
     with Harness(args) as h:
+        h.tables = {}
         try:
-            if args.command in ("throughput", "all", "smoke"):
-                sections.append(cmd_throughput(h))
-            if args.command in ("hetero", "all"):
-                sections.append(cmd_hetero(h))
-            if args.command in ("convergence", "all"):
-                sections.append(cmd_convergence(h))
             if args.command == "one":
                 cmd_one(h)
-        except KeyboardInterrupt:
-            print("interrupted: removing the namespaces")
-            raise
-    if sections:
-        text = header + f" Took {time.time() - started:.0f} s.\n\n" + "\n\n".join(sections) + "\n"
-        out = Path(args.out) if args.out else RESULTS / f"cluster_{args.command}.md"
-        out.write_text(text)
-        print(f"\nwrote {out}")
+                return
+            if parts != ["netcheck"]:
+                print(workload_text(h.calibrate() * GAS), flush=True)
+            for part in parts:
+                section = {"netcheck": cmd_netcheck, "throughput": cmd_throughput, "hetero": cmd_hetero,
+                           "convergence": cmd_convergence}[part](h)
+                if section:
+                    sections.append(section)
+        except KeyboardInterrupt as e:
+            print(f"\ninterrupted ({e}): stopping the ranks and removing the namespaces", flush=True)
+            h.close()
+            raise SystemExit(130)
+        took = time.time() - started
+        header = (f"Machine: {machine_line()}. {time.strftime('%Y-%m-%d %H:%M')}. Command: `{command}` "
+                  f"(took {took / 60:.1f} min; estimate {est / 60:.0f} min). Throughput and heterogeneity runs: "
+                  f"{args.repeats} repeat(s) of {args.steps} committed steps, the first {args.warmup} left out of "
+                  f"the timings (and DeepSpeed start-up and evaluation never count)." + (
+                      f" Compute without communication: `{h.calibration_cmd}`." if h.compute_micro_s else ""))
+        text = header + "\n\n" + "\n\n".join(sections) + "\n"
+        stem = RESULTS / f"cluster_{args.command}"
+        stem.with_suffix(".md").write_text(text)
+        json.dump({"command": command, "machine": machine_line(), "took_s": took, "estimate_s": est,
+                   "compute_micro_s": h.compute_micro_s, "tables": h.tables}, open(stem.with_suffix(".json"), "w"),
+                  indent=1)
+        with open(stem.with_suffix(".csv"), "w", newline="") as f:
+            keys = sorted({k for r in h.rows for k in r})
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(h.rows)
+        print(f"\ntook {took / 60:.1f} min; wrote {stem}.md, .json, .csv and cluster_runs_{args.command}.jsonl")
 
 
 if __name__ == "__main__":

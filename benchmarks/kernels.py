@@ -1,55 +1,72 @@
-"""Microbenchmarks of the acco_ds kernels: fused vs the unfused torch sequence.
+"""Microbenchmark of the acco_ds kernels: fused vs the unfused torch sequence.
 
-    python benchmarks/kernels.py                       # CPU: 1M..64M elements
-    python benchmarks/kernels.py --device cuda         # GPU: 1M..256M elements
+    python benchmarks/kernels.py                       # CPU: 1M,4M,16M,64M elements
+    python benchmarks/kernels.py --device cuda         # GPU: 1M,4M,16M,64M,256M elements
 
-For each size it times
+(The CPU default stops at 64M: 256M would need ~10 GB and minutes per size;
+pass --sizes to choose.) For each size it times
+
 * peek:   fused ``adamw_update(commit=False)`` into a bf16 send buffer, vs the
-          naive sequence (clone θ, m, v; AdamW step on the clones; cast-copy into
-          the send buffer; the originals stay as they were = restore);
-* commit: fused ``adamw_update(commit=True)`` vs the same step with torch ops;
-* pack:   one multi-tensor ``pack`` of 64 bf16 gradients into a flat fp32
-          accumulator, vs a per-tensor ``flat[o:o+n].add_(t.float() * s)`` loop;
-and reports the time, the effective bandwidth (bytes that must move / time),
-its ratio to the machine's copy bandwidth measured here
-(``dst.copy_(src)``, 2 x 4 bytes per element), and the memory each variant
-allocates on top of its inputs (CUDA: peak allocation; CPU: bytes allocated
-during the call, from the torch profiler).
+          unfused sequence: clone θ, m, v; AdamW step with torch ops; cast-copy
+          θ into the send buffer; copy the clones back (restore);
+* commit: fused ``adamw_update(commit=True)`` (state and bf16 out) vs the same
+          step with torch ops and a cast-copy;
+* pack:   one multi-tensor ``pack`` of 64 bf16 gradients of assorted sizes into
+          a flat fp32 accumulator, vs ``flat[o:o+n].add_(t.float() * s)`` per tensor;
+
+and reports the time (median), the effective bandwidth (bytes that must move /
+time: peek reads θ, g, m, v and writes out; commit also writes θ, m, v; pack
+reads the gradients and reads and writes the accumulator), its ratio to this
+machine's copy bandwidth (``dst.copy_(src)`` on a large tensor, 2 x 4 bytes per
+element), and the memory each variant allocates beyond its inputs (CUDA: peak
+allocation; CPU: bytes allocated during the call, from the torch profiler).
 """
 
 import argparse
+import csv
 import json
+import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from acco_ds import ops  # noqa: E402
-from acco_ds.ops import reference  # noqa: E402
-
 ADAM = dict(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5, adamw=True)
+N_GRADS = 64
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    for suffix, mult in (("K", 2**10), ("M", 2**20), ("G", 2**30)):
+        if text.endswith(suffix):
+            return int(float(text[:-1]) * mult)
+    return int(text)
+
+
+def sync(device):
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
 
 
 def timeit(fn, device, repeats):
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        sync(device)
+        start = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        sync(device)
+        times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
 def extra_memory(fn, device):
+    """Bytes a call allocates beyond what exists before it."""
+    import torch
     if device == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -63,73 +80,126 @@ def extra_memory(fn, device):
     return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
 
 
-def machine(device):
+def machine(device, threads):
+    import torch
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    model = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | sed 's/ *Model name: *//'"], capture_output=True,
-                           text=True).stdout.strip() or platform.processor()
-    return f"{model}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
+                 platform.processor())
+    return f"{model}, {os.cpu_count()} cores, {threads} threads (torch {torch.__version__})"
+
+
+def unfused_peek(master, grad, m, v, out):
+    """What a Peek costs without the fused kernel: save, step in place, cast-copy, restore."""
+    from acco_ds.ops import reference
+    saved = master.clone(), m.clone(), v.clone()
+    reference.adamw_update(master, grad, m, v, out, commit=True, **ADAM)
+    master.copy_(saved[0])
+    m.copy_(saved[1])
+    v.copy_(saved[2])
+
+
+def assorted_sizes(total, count, generator):
+    """``count`` sizes that sum to ``total``, spread over two orders of magnitude."""
+    import torch
+    weights = torch.logspace(0, 2, count)[torch.randperm(count, generator=generator)]
+    sizes = (weights / weights.sum() * total).long().clamp(min=1)
+    sizes[0] += total - int(sizes.sum())
+    return [int(s) for s in sizes]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--sizes", default=None, help="comma-separated element counts, e.g. 1M,4M,64M")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated element counts, e.g. 1M,4M,64M (default: 1M..64M on CPU, 1M..256M on GPU)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and the op's OpenMP)")
+    p.add_argument("--out", default=None, help="results file, .json or .csv (default: "
+                   "benchmarks/results/kernels_<device>.json, with the table next to it as .md)")
     args = p.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before the op's OpenMP runtime starts
+
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from acco_ds import ops
+    from acco_ds.ops import reference
+
     dev = args.device
-    default = "1M,4M,16M,64M,256M" if dev == "cuda" else "1M,4M,16M,64M"
-    sizes = [int(float(s[:-1]) * 2**20) if s.endswith("M") else int(s) for s in (args.sizes or default).split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    sizes = [parse_size(s) for s in (args.sizes or ("1M,4M,16M,64M,256M" if dev == "cuda" else "1M,4M,16M,64M"))
+             .split(",")]
     native = ops.load_kernels("native", dev)
+
+    # The machine's copy bandwidth, on tensors far larger than any cache.
+    big = (256 if dev == "cuda" else 64) * 2**20
+    src, dst = torch.randn(big, device=dev), torch.empty(big, device=dev)
+    copy_bw = 8 * big / timeit(lambda: dst.copy_(src), dev, args.repeats)
+    del src, dst
+
     rows = []
     for n in sizes:
         g = torch.Generator(device=dev).manual_seed(0)
         master, grad = torch.randn(n, device=dev, generator=g), torch.randn(n, device=dev, generator=g)
         m, v = torch.zeros(n, device=dev), torch.rand(n, device=dev, generator=g) * 1e-3
         out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        src, dst = torch.randn(n, device=dev, generator=g), torch.empty(n, device=dev)
-        copy_bw = 8 * n / timeit(lambda: dst.copy_(src), dev, args.repeats)
-        sizes_t = [n // 64 + (1 if i < n % 64 else 0) for i in range(64)]
-        grads = [torch.randn(s, device=dev, generator=g).bfloat16() for s in sizes_t]
-        offsets = [sum(sizes_t[:i]) for i in range(64)]
+        grad_sizes = assorted_sizes(n, N_GRADS, torch.Generator().manual_seed(0))
+        grads = [torch.randn(s, device=dev, generator=g).bfloat16() for s in grad_sizes]
+        offsets = [sum(grad_sizes[:i]) for i in range(N_GRADS)]
         flat = torch.zeros(n, device=dev)
         cases = {
             # name: (fused, unfused, bytes that must move)
             "peek": (lambda: native.adamw_update(master, grad, m, v, out, commit=False, **ADAM),
-                     lambda: reference.adamw_update(master, grad, m, v, out, commit=False, **ADAM), 16 * n + 2 * n),
+                     lambda: unfused_peek(master, grad, m, v, out), (16 + 2) * n),
             "commit": (lambda: native.adamw_update(master, grad, m, v, out, commit=True, **ADAM),
-                       lambda: reference.adamw_update(master, grad, m, v, out, commit=True, **ADAM), 28 * n + 2 * n),
+                       lambda: reference.adamw_update(master, grad, m, v, out, commit=True, **ADAM), (28 + 2) * n),
             "pack": (lambda: native.pack(grads, flat, offsets, 0.5, True),
-                     lambda: reference.pack(grads, flat, offsets, 0.5, True), 2 * n + 8 * n),
+                     lambda: reference.pack(grads, flat, offsets, 0.5, True), (2 + 8) * n),
         }
         for name, (fused, unfused, nbytes) in cases.items():
-            row = {"size": n, "kernel": name, "copy_GBps": copy_bw / 1e9}
+            row = {"size": n, "kernel": name, "bytes": nbytes, "copy_GBps": copy_bw / 1e9}
             for variant, fn in (("fused", fused), ("torch", unfused)):
                 t = timeit(fn, dev, args.repeats)
                 row[f"{variant}_ms"] = 1e3 * t
                 row[f"{variant}_GBps"] = nbytes / t / 1e9
+                row[f"{variant}_pct_copy"] = 100 * nbytes / t / copy_bw
                 row[f"{variant}_extra_MB"] = extra_memory(fn, dev) / 2**20
             rows.append(row)
-            print(f"{n / 2**20:6.0f}M {name:<7} fused {row['fused_ms']:9.2f} ms {row['fused_GBps']:7.1f} GB/s "
-                  f"({100 * row['fused_GBps'] / row['copy_GBps']:3.0f}% of copy) | torch {row['torch_ms']:9.2f} ms "
-                  f"{row['torch_GBps']:7.1f} GB/s | extra MB fused {row['fused_extra_MB']:.1f} torch "
+            print(f"{n / 2**20:6.0f}M {name:<7} fused {row['fused_ms']:9.2f} ms {row['fused_GBps']:6.1f} GB/s "
+                  f"({row['fused_pct_copy']:3.0f}% of copy) | torch {row['torch_ms']:9.2f} ms "
+                  f"{row['torch_GBps']:6.1f} GB/s | extra MB fused {row['fused_extra_MB']:.1f} torch "
                   f"{row['torch_extra_MB']:.1f}", flush=True)
-    command = "python benchmarks/kernels.py " + " ".join(sys.argv[1:])
-    header = f"{machine(dev)}; kernels {native.name}; median of {args.repeats}. Command: `{command}`"
-    table = ["| size | kernel | fused ms | fused GB/s | % of copy bw | torch ms | torch GB/s | speedup | "
-             "extra MB fused / torch |", "|---|---|---|---|---|---|---|---|---|"]
+
+    command = shlex.join(["python", "benchmarks/kernels.py", *sys.argv[1:]])
+    header = (f"{machine(dev, threads)}; kernels {native.name}; median of {args.repeats}.\n"
+              f"Copy bandwidth (`dst.copy_(src)`, {big // 2**20}M fp32): {copy_bw / 1e9:.1f} GB/s.\n"
+              f"Command: `{command}`")
+    table = ["| size | kernel | fused ms | fused GB/s | % of copy | torch ms | torch GB/s | % of copy | speedup | "
+             "extra MB fused / torch |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['size'] / 2**20:.0f}M | {r['kernel']} | {r['fused_ms']:.2f} | {r['fused_GBps']:.1f} | "
-                     f"{100 * r['fused_GBps'] / r['copy_GBps']:.0f}% | {r['torch_ms']:.2f} | {r['torch_GBps']:.1f} | "
-                     f"{r['torch_ms'] / r['fused_ms']:.1f}x | {r['fused_extra_MB']:.1f} / {r['torch_extra_MB']:.1f} |")
-    text = header + f"\n\nCopy bandwidth measured here: {rows[-1]['copy_GBps']:.1f} GB/s (largest size).\n\n" + \
-        "\n".join(table) + "\n"
+        table.append(f"| {r['size'] / 2**20:g}M | {r['kernel']} | {r['fused_ms']:.2f} | {r['fused_GBps']:.1f} | "
+                     f"{r['fused_pct_copy']:.0f}% | {r['torch_ms']:.2f} | {r['torch_GBps']:.1f} | "
+                     f"{r['torch_pct_copy']:.0f}% | {r['torch_ms'] / r['fused_ms']:.1f}x | "
+                     f"{r['fused_extra_MB']:.0f} / {r['torch_extra_MB']:.0f} |")
+    text = header + "\n\n" + "\n".join(table) + "\n"
     print("\n" + text)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"kernels_{dev}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(text)
+
+    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"kernels_{dev}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text(json.dumps({"machine": machine(dev, threads), "command": command, "copy_GBps": copy_bw / 1e9,
+                                    "repeats": args.repeats, "kernels": native.name, "rows": rows}, indent=1))
+    path.with_suffix(".md").write_text(text)
+    print(f"results: {path} (table: {path.with_suffix('.md')})")
 
 
 if __name__ == "__main__":

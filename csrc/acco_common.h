@@ -1,6 +1,6 @@
 // Shared by the CPU and CUDA kernels of acco_ds: dtype codes, the AdamW
-// element update, and exact float <-> bf16/fp16 conversions. Plain C++ (no
-// torch headers) so that nvcc and g++ can compile the kernels on their own.
+// element update, and float <-> bf16/fp16 conversions that round like torch.
+// Plain C++ (no torch headers) so that g++ and nvcc compile the kernels alone.
 #pragma once
 
 #include <cmath>
@@ -8,6 +8,8 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define ACCO_HD __host__ __device__ __forceinline__
 #else
 #define ACCO_HD inline
@@ -18,21 +20,72 @@ namespace acco {
 // Element types of tensors crossing the kernel boundary.
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-// Scalars of one AdamW step, prepared on the host in double precision exactly
-// as torch.optim.Adam(W) prepares them, then rounded to float once.
+// Scalars of one Adam(W) step, computed on the host in double precision as
+// torch.optim.Adam(W) computes them (Python floats), then rounded to float
+// once, as torch's CPU/CUDA kernels round their scalar arguments.
 struct AdamScalars {
-  float grad_scale;     // 1/global_count * clip coefficient * 1/loss_scale
-  float one_minus_beta1;
+  float grad_scale;             // 1/global_count * clip coefficient * 1/loss_scale
+  float decay_factor;           // AdamW: 1 - lr*wd; otherwise 1 (a multiply by 1 is exact)
+  float l2;                     // Adam with weight decay: wd; otherwise unused
+  float lerp_weight;            // 1 - beta1, or (1 - beta1) - 1 on torch's second lerp branch
   float beta2;
   float one_minus_beta2;
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float inv_bias_correction2_sqrt;  // 1 / that, in float (the CUDA path)
   float eps;
-  float weight_decay;   // L2 term (adamw == false)
-  float decay_factor;   // 1 - lr * weight_decay (adamw == true)
-  float bias_correction2_sqrt;
-  float neg_step_size;  // -lr / (1 - beta1^step)
-  int adamw;
-  int lerp_low;         // |1 - beta1| < 0.5: torch's lerp takes its first branch
+  float neg_step_size;          // -lr / (1 - beta1^step)
+  int use_l2;                   // !adamw && wd != 0 (torch skips the add when wd == 0)
+  int lerp_from_start;          // |1 - beta1| < 0.5: torch's lerp starts from m, else from g
 };
+
+inline AdamScalars make_adam_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, double grad_scale, bool adamw) {
+  // Same expressions as torch/optim/adam.py (_single_tensor_adam, capturable=False).
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const float weight = static_cast<float>(1.0 - beta1);
+  AdamScalars s;
+  s.grad_scale = static_cast<float>(grad_scale);
+  s.decay_factor = (adamw && weight_decay != 0.0) ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  s.l2 = static_cast<float>(weight_decay);
+  s.use_l2 = (!adamw && weight_decay != 0.0) ? 1 : 0;
+  s.lerp_from_start = std::fabs(weight) < 0.5f ? 1 : 0;
+  s.lerp_weight = s.lerp_from_start ? weight : weight - 1.0f;
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  s.inv_bias_correction2_sqrt = 1.0f / s.bias_correction2_sqrt;
+  s.eps = static_cast<float>(eps);
+  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  return s;
+}
+
+// One element of torch.optim.Adam(W)'s step, in torch's order of float
+// operations. Branch-free (uniform selects) so that the CPU loop vectorizes.
+// Compile with FMA contraction off (-ffp-contract=off): the fmaf calls below
+// are exactly the fused operations torch's kernels perform, no others.
+ACCO_HD void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
+  g = g * s.grad_scale;
+  p = p * s.decay_factor;                     // param.mul_(1 - lr * wd)
+  g = s.use_l2 ? fmaf(s.l2, p, g) : g;        // grad.add(param, alpha=wd)
+  // exp_avg.lerp_(g, w): fma(w, g - m, m) if |w| < 0.5 else fma(w - 1, g - m, g)
+  m = fmaf(s.lerp_weight, g - m, s.lerp_from_start ? m : g);
+  v = fmaf(s.one_minus_beta2 * g, g, v * s.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+#if defined(__CUDA_ARCH__)
+  // torch's CUDA kernels divide by a CPU scalar as a multiply by its float reciprocal,
+  // and compute addcdiv as a + alpha * (b / c), contracted to one fma.
+  const float denom = sqrtf(v) * s.inv_bias_correction2_sqrt + s.eps;
+  p = fmaf(s.neg_step_size, m / denom, p);
+#else
+  // torch's CPU kernels: a true division, and addcdiv as a + (alpha * b) / c.
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
+  p = p + (s.neg_step_size * m) / denom;
+#endif
+}
+
+// ---------------------------------------------------------------- conversions
+// Host versions are bit-exact with c10::BFloat16 / c10::Half (round to nearest
+// even); device versions are the CUDA intrinsics torch itself uses.
 
 ACCO_HD float bits_to_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)
@@ -54,97 +107,74 @@ ACCO_HD uint32_t float_to_bits(float f) {
 #endif
 }
 
-// bf16: round to nearest even, NaN -> quiet NaN (as c10::BFloat16).
 ACCO_HD uint16_t float_to_bf16_bits(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u = float_to_bits(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+  const uint32_t u = float_to_bits(f);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
+#endif
 }
 
 ACCO_HD float bf16_bits_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
-// IEEE fp16 conversions without hardware support, bit-exact with c10::Half
-// (fp16_ieee_from_fp32_value / fp16_ieee_to_fp32_value).
 ACCO_HD uint16_t float_to_f16_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  // fp16_ieee_from_fp32_value (c10/util/Half.h), with selects instead of branches.
   const float scale_to_inf = bits_to_float(0x77800000u);   // 2^112
   const float scale_to_zero = bits_to_float(0x08800000u);  // 2^-110
-  float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
   const uint32_t w = float_to_bits(f);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
   base = bits_to_float((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = float_to_bits(base);
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
 }
 
 ACCO_HD float f16_bits_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  // fp16_ieee_to_fp32_value (c10/util/Half.h).
   const uint32_t w = static_cast<uint32_t>(h) << 16;
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
-  const uint32_t exp_offset = 0xE0u << 23;
-  const float exp_scale = bits_to_float(0x07800000u);  // 2^-112
-  const float normalized = bits_to_float((two_w >> 4) + exp_offset) * exp_scale;
-  const uint32_t magic_mask = 126u << 23;
-  const float denormalized = bits_to_float((two_w >> 17) | magic_mask) - 0.5f;
+  const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * bits_to_float(0x07800000u);
+  const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
   const uint32_t cutoff = 1u << 27;
   return bits_to_float(sign | (two_w < cutoff ? float_to_bits(denormalized) : float_to_bits(normalized)));
+#endif
 }
 
-ACCO_HD float load_as_float(const void* p, int64_t i, int dtype) {
-  if (dtype == kFloat32) return static_cast<const float*>(p)[i];
-  uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return dtype == kBFloat16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
-}
-
-ACCO_HD void store_from_float(void* p, int64_t i, int dtype, float v) {
-  if (dtype == kFloat32) {
-    static_cast<float*>(p)[i] = v;
+// Typed element access; DType is a template argument so that every loop is
+// specialised for one element type.
+template <int DType>
+ACCO_HD float load_as_float(const void* p, int64_t i) {
+  if constexpr (DType == kFloat32) {
+    return static_cast<const float*>(p)[i];
   } else {
-    static_cast<uint16_t*>(p)[i] = dtype == kBFloat16 ? float_to_bf16_bits(v) : float_to_f16_bits(v);
+    const uint16_t h = static_cast<const uint16_t*>(p)[i];
+    return DType == kBFloat16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
   }
 }
 
-// One element of torch.optim.Adam(W)'s single-tensor step, with torch's order
-// of float operations (fused lerp, mul + addcmul, sqrt / c + eps, addcdiv).
-ACCO_HD void adam_element(float& p, float g, float& m, float& v, const AdamScalars& s) {
-  g = g * s.grad_scale;
-  if (s.adamw) {
-    p = p * s.decay_factor;
-  } else if (s.weight_decay != 0.0f) {
-    g = fmaf(s.weight_decay, p, g);  // grad.add(param, alpha=wd), fused as in torch
+template <int DType>
+ACCO_HD void store_from_float(void* p, int64_t i, float x) {
+  if constexpr (DType == kFloat32) {
+    static_cast<float*>(p)[i] = x;
+  } else {
+    static_cast<uint16_t*>(p)[i] = DType == kBFloat16 ? float_to_bf16_bits(x) : float_to_f16_bits(x);
   }
-  // torch's vectorized lerp is fused: fma(w, g - m, m), or fma(w - 1, g - m, g) for w >= 0.5.
-  const float w = s.one_minus_beta1;
-  m = s.lerp_low ? fmaf(w, g - m, m) : fmaf(w - 1.0f, g - m, g);
-  v = v * s.beta2;
-  v = fmaf(s.one_minus_beta2 * g, g, v);  // torch's vectorized addcmul is fused
-  const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
-  p = p + (s.neg_step_size * m) / denom;  // torch's addcdiv: self + (value * t1) / t2
-}
-
-// Host-side preparation of the scalars, in the order torch computes them.
-inline AdamScalars make_adam_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
-                                     double weight_decay, double grad_scale, bool adamw) {
-  AdamScalars s;
-  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  s.grad_scale = static_cast<float>(grad_scale);
-  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  s.eps = static_cast<float>(eps);
-  s.weight_decay = static_cast<float>(weight_decay);
-  s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
-  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
-  s.adamw = adamw ? 1 : 0;
-  s.lerp_low = std::fabs(1.0 - beta1) < 0.5 ? 1 : 0;
-  return s;
 }
 
 // A tensor to pack into (or unpack from) a flat fp32 buffer.

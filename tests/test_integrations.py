@@ -4,6 +4,7 @@ Accelerate, and the report. Every launch runs 2 CPU ranks with a hard timeout.""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +23,40 @@ def tool(name):
     return str(path) if path.exists() else shutil.which(name)
 
 
-def run(cmd, timeout=240):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def run(cmd, timeout=180, env=None):
+    """Run ``cmd`` (a launcher and its ranks) in its own session; on timeout kill the whole
+    process group, so no rank outlives the test."""
+    extra = dict(env or {})
+    path = [extra.pop("PYTHONPATH", ""), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra,
+               PYTHONPATH=os.pathsep.join(p for p in path if p))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(err.stdout or '')[-3000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (a launcher that exited before its ranks)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def ranks(out, n=2):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def console_script(tmp_path):
+    """What ``pip install`` writes for ``acco-ds-run=acco_ds.run:main`` when it is not installed."""
+    path = tmp_path / "acco-ds-run"
+    path.write_text(f"#!{sys.executable}\nimport sys\nfrom acco_ds.run import main\nsys.exit(main())\n")
+    path.chmod(0o755)
+    return str(path)
 
 
 def ds_config(tmp_path, acco=True):
@@ -62,6 +84,23 @@ def test_patch_is_idempotent_and_reversible():
     acco_ds.unpatch()  # harmless twice
 
 
+def test_patched_initialize_picks_the_engine_from_the_config(tmp_path):
+    """A real 1-rank gloo group: the engine class follows the "acco" block, the swap is scoped to
+    the call, PipelineModule is refused with a pointer to --no-pipeline-parallel, unpatch restores."""
+    out = tmp_path / "patch.json"
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    run([sys.executable, str(HERE / "patch_check.py"), str(out)], timeout=120, env=env)
+    r = json.loads(out.read_text())
+    assert r["stock_before_patch"] == "DeepSpeedEngine"  # without patch() the block is inert
+    assert r["idempotent"] and r["acco_engine"] == "ACCOEngine" and r["acco_is_subclass"]
+    assert r["acco_global_steps"] == 3  # 7 micro-batches, gas=2 (k=1): commits after 3, 5, 7
+    assert r["acco_config_params_engine"] == "ACCOEngine"  # Accelerate's way of passing the config
+    assert r["disabled_engine"] == r["no_block_engine"] == "DeepSpeedEngine" and r["name_restored"]
+    assert r["pipeline_error"] and "--no-pipeline-parallel" in r["pipeline_error"], r["pipeline_error"]
+    assert r["unpatched"] and r["after_unpatch_engine"] == "DeepSpeedEngine"
+
+
 def test_runner_moves_local_rank_after_the_script():
     from acco_ds.run import split_argv
     assert split_argv(["--local_rank=1", "train.py", "--lr", "1"]) == (["--local_rank=1"], "train.py", False,
@@ -79,9 +118,8 @@ def test_runner_gives_an_unmodified_script_acco(launcher, tmp_path):
     if launcher == "deepspeed --module":
         cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--module", "acco_ds.run"]
     elif launcher == "deepspeed --no_python":
-        if tool("acco-ds-run") is None:
-            pytest.skip("acco-ds-run console script not installed (pip install -e .)")
-        cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--no_python", tool("acco-ds-run")]
+        runner = tool("acco-ds-run") or console_script(tmp_path)
+        cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--no_python", runner]
     elif launcher == "torchrun":
         cmd = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", port, "-m", "acco_ds.run"]
     else:
@@ -105,7 +143,7 @@ def test_hugging_face_trainer_with_acco_block(tmp_path):
     pytest.importorskip("transformers")
     steps = 6
     run([tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "acco_ds.run",
-         str(HERE / "hf_trainer.py"), str(tmp_path), str(steps)], timeout=400)
+         str(HERE / "hf_trainer.py"), str(tmp_path), str(steps)], timeout=180)
     r = ranks(tmp_path)[0]
     rows = r["first"]["rows"]
     assert {row["engine"] for row in rows} == {"ACCOEngine"}
@@ -115,15 +153,18 @@ def test_hugging_face_trainer_with_acco_block(tmp_path):
     assert [row["hf_step"] for row in rows] == list(range(1, steps + 1))
     losses = r["first"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
+    assert r["first"]["saved_model_matches"]
+    assert "global_step%d" % (steps - 1) in r["first"]["checkpoint_files"]  # DeepSpeed's tag = engine steps
     resumed = r["resumed"]["rows"]
     assert [row["hf_step"] for row in resumed] == [steps + 1, steps + 2]
-    assert resumed[-1]["engine_steps"] == steps + 1
+    # The resumed engine continues ACCO's pipeline where it stopped: still one commit behind.
+    assert [row["engine_steps"] for row in resumed] == [steps, steps + 1]
 
 
 def test_accelerate_loop_with_deepspeed_plugin(tmp_path):
     pytest.importorskip("accelerate")
     run([tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(HERE / "hf_accelerate.py"), str(tmp_path), "40"], timeout=300)
+         str(HERE / "hf_accelerate.py"), str(tmp_path), "40"], timeout=180)
     for r in ranks(tmp_path):
         assert r["engine"] == "ACCOEngine" and r["global_steps"] == 40
         assert r["micro"] == 1 + 2 * 40  # k start-up micro-batches, then 2k per step (k=1)
@@ -133,8 +174,29 @@ def test_accelerate_loop_with_deepspeed_plugin(tmp_path):
 
 
 def test_report():
-    proc = run([sys.executable, "-m", "acco_ds.report"], timeout=300)
+    proc = run([sys.executable, "-m", "acco_ds.report"], timeout=180)
     out = proc.stdout
-    for needle in ("acco_ds report", "deepspeed", "patch active ....... False", "acco_cpu_ops",
-                   "engine kernels ..... native-cpu", "DeepSpeed general environment info"):
+    import deepspeed
+    import torch
+    for needle in ("acco_ds report", f"acco_ds ............ {acco_ds.__version__}",
+                   f"torch............... {torch.__version__}", f"deepspeed........... {deepspeed.__version__}",
+                   "pydantic............", "patch active ....... False", "acco_cpu_ops", "acco_cuda_ops",
+                   "DeepSpeed general environment info", "torch version ...................."):
         assert needle in out, out
+    # The engine's choice agrees with the ops table's "auto uses" for the CPU op.
+    cpu_row = next(line.split() for line in out.splitlines() if line.strip().startswith("acco_cpu_ops"))
+    assert f"engine kernels ..... {cpu_row[5]} " in out, out
+    # `acco-ds report` form, and a usage error for anything else.
+    assert "acco_ds report" in run([sys.executable, "-c", "import sys; from acco_ds.report import main; "
+                                    "sys.exit(main(['report']))"], timeout=180).stdout
+
+
+def test_report_without_ops_says_so(tmp_path):
+    """A build where acco_ds.ops lacks op_report/load_kernels: clear lines, no crash."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, types\nsys.modules['acco_ds.ops'] = types.ModuleType('acco_ds.ops')\n")
+    proc = run([sys.executable, "-m", "acco_ds.report"], timeout=180,
+               env={"PYTHONPATH": str(tmp_path)})
+    assert "acco_ds.ops has no op_report()" in proc.stdout, proc.stdout
+    assert "engine kernels ..... unavailable (AttributeError" in proc.stdout, proc.stdout
+    assert "DeepSpeed general environment info" in proc.stdout

@@ -119,14 +119,12 @@ def unpack(flat, tensors, offsets):
 
 def op_report() -> List[dict]:
     """One row per native op: compatible, AOT-built, loadable, and what ``auto`` picks."""
-    import importlib.util
-
     from .builder import BUILDERS
     rows = []
     for device_type, cls in BUILDERS.items():
         builder = cls()
         row = {"op": builder.NAME, "device": device_type, "compatible": bool(builder.is_compatible()),
-               "aot_built": importlib.util.find_spec(builder.absolute_name()) is not None}
+               "aot_built": builder.aot_module() is not None}
         if row["compatible"]:
             start = time.perf_counter()
             try:
@@ -135,7 +133,7 @@ def op_report() -> List[dict]:
             except Exception as err:  # noqa: BLE001
                 row["loadable"], row["error"] = False, f"{type(err).__name__}: {str(err).splitlines()[0]}"
         else:
-            row["loadable"] = False
+            row["loadable"], row["error"] = False, f"not compatible: {builder.error_log or 'see DeepSpeed warnings'}"
         row["auto_uses"] = f"native-{device_type}" if row["loadable"] else "torch"
         rows.append(row)
     return rows

@@ -26,10 +26,11 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         # The naive Peek: work on copies (the fused kernel needs none).
         master, exp_avg, exp_avg_sq = master.clone(), exp_avg.clone(), exp_avg_sq.clone()
     g = grad * grad_scale
-    if adamw:
-        master.mul_(1 - lr * weight_decay)
-    elif weight_decay != 0:
-        g = g.add(master, alpha=weight_decay)
+    if weight_decay != 0:
+        if adamw:
+            master.mul_(1 - lr * weight_decay)  # decoupled (AdamW)
+        else:
+            g = g.add(master, alpha=weight_decay)  # L2 (Adam)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias_correction1 = 1 - beta1**step

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 #include "../acco_common.h"
@@ -26,7 +27,7 @@ inline void check_flat(const torch::Tensor& t, const char* name, torch::DeviceTy
 }
 
 inline void check_adam_args(const torch::Tensor& master, const torch::Tensor& grad, const torch::Tensor& m,
-                            const torch::Tensor& v, const c10::optional<torch::Tensor>& out,
+                            const torch::Tensor& v, const std::optional<torch::Tensor>& out,
                             torch::DeviceType device) {
   const int64_t n = master.numel();
   for (auto pair : {std::make_pair(&master, "master"), std::make_pair(&grad, "grad"), std::make_pair(&m, "exp_avg"),

@@ -1,4 +1,4 @@
-// torch bindings of the CPU kernels (csrc/cpu/acco_cpu.h).
+// torch bindings of the CPU kernels (csrc/cpu/acco_cpu.cpp): argument checks, dtype codes, host scalars.
 #include <torch/extension.h>
 
 #include "../cpu/acco_cpu.h"
@@ -7,7 +7,7 @@
 namespace {
 
 void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                  c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+                  std::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                   double weight_decay, double grad_scale, bool commit, bool adamw) {
   acco::bindings::check_adam_args(master, grad, exp_avg, exp_avg_sq, out, torch::kCPU);
   const acco::AdamScalars s =

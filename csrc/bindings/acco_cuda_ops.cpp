@@ -1,6 +1,7 @@
-// torch bindings of the CUDA kernels (csrc/cuda/acco_cuda_kernels.cu).
-#include <ATen/cuda/CUDAContext.h>
+// torch bindings of the CUDA kernels (csrc/cuda/acco_cuda_kernels.cu): checks, device guard, current stream.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "../cuda/acco_cuda.h"
@@ -9,7 +10,7 @@
 namespace {
 
 void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                  c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+                  std::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                   double weight_decay, double grad_scale, bool commit, bool adamw) {
   acco::bindings::check_adam_args(master, grad, exp_avg, exp_avg_sq, out, torch::kCUDA);
   const c10::cuda::CUDAGuard guard(master.device());
@@ -19,7 +20,7 @@ void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_av
   const int out_dtype = out.has_value() ? acco::bindings::dtype_code(*out) : -1;
   acco::cuda::adam_update(master.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
                           exp_avg_sq.data_ptr<float>(), out_ptr, out_dtype, master.numel(), s, commit,
-                          at::cuda::getCurrentCUDAStream());
+                          c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -28,14 +29,14 @@ void pack(std::vector<torch::Tensor> tensors, torch::Tensor flat, std::vector<in
   auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCUDA);
   const c10::cuda::CUDAGuard guard(flat.device());
   acco::cuda::pack(items, flat.data_ptr<float>(), static_cast<float>(scale), accumulate,
-                   at::cuda::getCurrentCUDAStream());
+                   c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void unpack(torch::Tensor flat, std::vector<torch::Tensor> tensors, std::vector<int64_t> offsets) {
   auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCUDA);
   const c10::cuda::CUDAGuard guard(flat.device());
-  acco::cuda::unpack(flat.data_ptr<float>(), items, at::cuda::getCurrentCUDAStream());
+  acco::cuda::unpack(flat.data_ptr<float>(), items, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

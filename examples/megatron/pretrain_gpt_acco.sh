@@ -9,6 +9,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NGPUS=${NGPUS:-2}
 MICRO=4; GAS=8; GLOBAL=$((MICRO * GAS * NGPUS))   # must agree with ds_config_acco.json
 
+REPO=$(cd "$HERE/../.." && pwd)
+# compat/: stand-ins for imports DeepSpeed 0.19 removed (see README); acco_ds from this checkout
+# unless it is pip-installed.
+export PYTHONPATH="$HERE/compat:$MEGATRON:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
 cd "$MEGATRON"
 deepspeed --num_gpus "$NGPUS" --module acco_ds.run pretrain_gpt.py \
   --no-pipeline-parallel \

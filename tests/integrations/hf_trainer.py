@@ -43,7 +43,7 @@ class Record(TrainerCallback):
 
 def make_trainer(max_steps):
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=block, n_embd=32, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=block, n_embd=64, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=max_steps, learning_rate=3e-3, logging_steps=1, save_steps=steps,
                              save_strategy="steps", deepspeed=ds_config, report_to=[], use_cpu=True,
@@ -58,7 +58,19 @@ trainer, record = make_trainer(steps)
 trainer.train()
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rank = torch.distributed.get_rank()
-first = {"rows": record.rows, "losses": losses}
+# save_model: the weights HF writes are the engine's trained weights, loadable without DeepSpeed.
+final = os.path.join(out, "final")
+trainer.save_model(final)
+trainer.accelerator.wait_for_everyone()
+reloaded = GPT2LMHeadModel.from_pretrained(final)
+trained = trainer.model_wrapped.module.state_dict()
+saved = reloaded.state_dict()
+saved_model_matches = (set(saved) == set(trained) and len(saved) > 0
+                       and all(torch.equal(v, trained[k]) for k, v in saved.items()))
+checkpoint = os.path.join(out, f"checkpoint-{steps}")
+first = {"rows": record.rows, "losses": losses, "saved_model_matches": saved_model_matches,
+         "checkpoint_files": sorted(os.listdir(checkpoint)),
+         "engine_steps_at_end": trainer.model_wrapped.global_steps}
 # Resume: a fresh Trainer continues from the checkpoint saved at `steps`.
 trainer2, record2 = make_trainer(steps + 2)
 trainer2.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{steps}"))
