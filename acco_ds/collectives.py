@@ -1,0 +1,136 @@
+"""Flat-buffer collectives that send the optimal number of bytes on every backend.
+
+Why: on gloo, ``torch.distributed.reduce_scatter_tensor`` is an all-reduce of
+the whole input followed by a copy of this rank's slice. A ring all-reduce
+sends 2(W-1)/W of the buffer per rank, twice what a reduce-scatter needs
+((W-1)/W): a 16 MB buffer on 2 ranks sends 16 MB per rank instead of 8 MB.
+NCCL's reduce-scatter, and gloo's all-to-all and all-gather, are already
+optimal.
+
+* :func:`reduce_scatter` -- native on NCCL (and every backend but gloo); on
+  gloo a chunked all-to-all: for each chunk of the partition, each rank packs
+  the slices the other ranks own into a small send buffer, one
+  ``all_to_all_single`` exchanges them, and each rank sums what it received
+  into ``output``. Every byte of another rank's partition crosses the network
+  once: (W-1)/W of the input per rank. Extra memory: two buffers of
+  (W-1) * chunk_elems elements, whatever the input size.
+* :func:`all_gather` -- ``all_gather_into_tensor`` (``all_gather_single`` on
+  torch releases that renamed it), in place when ``input`` is this rank's
+  slice of ``output``.
+"""
+
+import torch
+import torch.distributed as tdist
+
+__all__ = ["reduce_scatter", "all_gather", "DEFAULT_CHUNK_ELEMS"]
+
+# torch >= 2.13 may rename the flat-tensor collectives; keep working on either name.
+_native_reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+_native_all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+
+# Elements of one chunk of the partition (1 MiB of fp32): large enough that
+# the per-message latency of gloo does not matter, small enough that the two
+# staging buffers stay a few MiB per peer.
+DEFAULT_CHUNK_ELEMS = 1 << 18
+
+
+class _Completed:
+    """What an ``async_op=True`` call of the synchronous gloo path returns:
+    the work is already done, ``wait()`` returns at once."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _is_gloo(group, device: torch.device) -> bool:
+    """Whether ``group`` runs collectives on tensors of ``device`` with gloo.
+    Handles plain backends ("gloo", "nccl") and per-device ones
+    ("cpu:gloo,cuda:nccl")."""
+    backend = str(tdist.get_backend(group)).lower()
+    if ":" in backend:
+        per_device = dict(item.split(":", 1) for item in backend.split(","))
+        return per_device.get(device.type) == "gloo"
+    return backend == "gloo"
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                   async_op: bool = False):
+    """``output = sum over ranks r of input_r[rank*P:(rank+1)*P]``, with
+    ``P = output.numel()`` and ``rank`` this process's rank in ``group``; the
+    same contract as ``reduce_scatter_tensor(output, input, op=SUM)``.
+
+    Args:
+        output: contiguous tensor of P elements; it must not overlap ``input``.
+        input: contiguous tensor of W*P elements (W = size of ``group``), same
+            dtype as ``output``. It is not modified, so it may be the buffer a
+            later all-gather writes into.
+        group: process group (``None``: the default group).
+        chunk_elems: gloo only: elements of the partition exchanged per
+            all-to-all; the extra memory is 2 * (W-1) * chunk_elems elements.
+        async_op: on backends other than gloo, returns torch's work handle. On
+            gloo the call is synchronous (it returns when ``output`` is ready)
+            and returns an already-completed handle whose ``wait()`` returns
+            at once; with ``async_op=False`` it returns ``None``.
+
+    Sum order on gloo: rank order, ``((x_0 + x_1) + x_2) + ... + x_{W-1}``,
+    each addition in the dtype of the tensors (bf16/fp16 additions round to
+    that dtype after each step, as gloo's own sum does), identical on every
+    rank and for every chunk. torch's ``reduce_scatter_tensor`` on gloo is an
+    all-reduce whose order follows gloo's ring segmentation (it depends on the
+    rank and on the buffer size, not on rank order; measured on torch 2.13
+    it is bit for bit ``all_reduce`` of the whole input followed by a slice,
+    and for bf16 it also adds in bf16, rounding after each addition).
+    Hence: for W = 2 the results equal torch's bit for bit (a sum of two is
+    order independent);
+    for W >= 3 they are equal for exactly representable sums (e.g. small
+    integers) and may differ in the last bits for random floats.
+    """
+    world = tdist.get_world_size(group)
+    if not _is_gloo(group, input.device):
+        return _native_reduce_scatter(output, input, op=tdist.ReduceOp.SUM, group=group, async_op=async_op)
+    numel = output.numel()
+    if input.numel() != world * numel:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} * {numel}")
+    if input.dtype != output.dtype:
+        raise ValueError(f"reduce_scatter: dtypes differ ({input.dtype} vs {output.dtype})")
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise ValueError("reduce_scatter: input and output must be contiguous")
+    if chunk_elems < 1:
+        raise ValueError("reduce_scatter: chunk_elems must be positive")
+    rank = tdist.get_rank(group)
+    rows = input.view(world, numel)  # rows[r]: the part of this rank's input that rank r owns
+    out = output.view(-1)
+    if world == 1 or numel == 0:
+        out.copy_(rows[0])
+        return _Completed() if async_op else None
+
+    n = min(chunk_elems, numel)
+    send_buf = input.new_empty((world - 1) * n)
+    recv_buf = input.new_empty((world - 1) * n)
+    for start in range(0, numel, n):
+        m = min(n, numel - start)
+        send = send_buf[:(world - 1) * m].view(world - 1, m)
+        recv = recv_buf[:(world - 1) * m].view(world - 1, m)
+        # Row i of send/recv is for/from rank i, skipping this rank: nothing is sent to oneself.
+        send[:rank].copy_(rows[:rank, start:start + m])
+        send[rank:].copy_(rows[rank + 1:, start:start + m])
+        splits = [0 if r == rank else m for r in range(world)]
+        tdist.all_to_all_single(recv.view(-1), send.view(-1), splits, splits, group=group)
+        # Sum in rank order 0..W-1; this rank's own slice comes straight from input.
+        parts = [rows[rank, start:start + m] if r == rank else recv[r if r < rank else r - 1] for r in range(world)]
+        o = out[start:start + m]
+        torch.add(parts[0], parts[1], out=o)
+        for part in parts[2:]:
+            o.add_(part)
+    return _Completed() if async_op else None
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``output[r*P:(r+1)*P] = input_r`` for every rank r (P = input.numel()),
+    torch's ``all_gather_into_tensor``. ``input`` may be this rank's slice of
+    ``output`` (in-place all-gather); that works on gloo and NCCL. Returns
+    torch's work handle with ``async_op=True``, else ``None``."""
+    return _native_all_gather(output, input, group=group, async_op=async_op)

@@ -1,0 +1,237 @@
+"""acco_ds.collectives on W = 2, 3, 4 gloo CPU ranks.
+
+Each test starts W processes running this file as a script (``python
+test_collectives.py CASE``); a rank that fails an assertion exits non-zero and
+the test shows its log. Every rank builds every rank's input from a seed, so
+it can compute the expected sum itself.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORLDS = [2, 3, 4]
+
+
+# ----------------------------------------------------------------- helpers
+def inputs(world, numel, dtype, seed, integers=False):
+    """Every rank's input (W*numel elements each), identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    if integers:
+        return [torch.randint(-8, 9, (world * numel,), generator=g).to(dtype) for _ in range(world)]
+    return [torch.randn(world * numel, generator=g).to(dtype) for _ in range(world)]
+
+
+def rank_order_sum(xs, rank, numel):
+    """((x_0 + x_1) + x_2) + ... of the slice ``rank`` owns, in the inputs' dtype."""
+    parts = [x[rank * numel:(rank + 1) * numel] for x in xs]
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                     b.view(-1).view(torch.uint8))
+
+
+def native_reduce_scatter(out, inp):
+    import torch.distributed as tdist
+    fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+    fn(out, inp, op=tdist.ReduceOp.SUM)
+
+
+# ------------------------------------------------------------ rank-side cases
+def case_fp32_chunks(rank, world):
+    """Random fp32, P not a multiple of the chunk, several chunks; rank-order sum bit for bit."""
+    from acco_ds.collectives import reduce_scatter
+    numel = 1000
+    for chunk in (96, 1, 999, 1000, 5000):
+        xs = inputs(world, numel, torch.float32, seed=chunk)
+        x = xs[rank].clone()
+        out = torch.full((numel,), float("nan"))
+        assert reduce_scatter(out, x, None, chunk_elems=chunk) is None
+        assert same_bits(x, xs[rank]), "input was modified"
+        assert same_bits(out, rank_order_sum(xs, rank, numel)), f"chunk {chunk}"
+        if world == 2:  # a sum of two is order independent: equal to torch's own, bit for bit
+            ref = torch.empty(numel)
+            native_reduce_scatter(ref, x)
+            assert same_bits(out, ref)
+
+
+def case_odd_sizes(rank, world):
+    """Padded-partition sizes: P odd (13, 1, 7), chunks smaller and larger than P."""
+    from acco_ds.collectives import reduce_scatter
+    for numel, chunk in ((13, 4), (13, 13), (13, 1 << 18), (1, 1), (7, 2)):
+        xs = inputs(world, numel, torch.float32, seed=numel * 100 + chunk)
+        out = torch.empty(numel)
+        reduce_scatter(out, xs[rank].clone(), None, chunk_elems=chunk)
+        assert same_bits(out, rank_order_sum(xs, rank, numel)), (numel, chunk)
+
+
+def case_half(rank, world):
+    """bf16 and fp16: summed in that dtype, rounding after each addition, like gloo."""
+    from acco_ds.collectives import reduce_scatter
+    numel = 301
+    for dtype in (torch.bfloat16, torch.float16):
+        xs = inputs(world, numel, dtype, seed=7)
+        x = xs[rank].clone()
+        out = torch.empty(numel, dtype=dtype)
+        reduce_scatter(out, x, None, chunk_elems=64)
+        assert same_bits(x, xs[rank])
+        expect = rank_order_sum(xs, rank, numel)
+        assert same_bits(out, expect), dtype
+        # not an fp32 accumulation rounded once (that differs somewhere for W >= 3)
+        if world >= 3:
+            wide = sum(x_[rank * numel:(rank + 1) * numel].float() for x_ in xs).to(dtype)
+            assert not same_bits(wide, expect)
+        if world == 2 and dtype == torch.bfloat16:
+            ref = torch.empty(numel, dtype=dtype)
+            native_reduce_scatter(ref, x)
+            assert same_bits(out, ref)
+
+
+def case_vs_native(rank, world):
+    """Against torch's reduce_scatter_tensor on gloo, bit for bit: on small integers for every W and dtype
+    (exact sums, order does not matter), on random floats for W = 2. For W >= 3 and random floats gloo's
+    order (its all-reduce ring) is not rank order: record how many elements differ, for information."""
+    from acco_ds.collectives import reduce_scatter
+    numel = 777
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xs = inputs(world, numel, dtype, seed=3, integers=True)
+        out, ref = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        reduce_scatter(out, xs[rank].clone(), None, chunk_elems=100)
+        native_reduce_scatter(ref, xs[rank].clone())
+        assert same_bits(out, ref), dtype
+    xs = inputs(world, numel, torch.float32, seed=4)
+    out, ref = torch.empty(numel), torch.empty(numel)
+    reduce_scatter(out, xs[rank].clone(), None, chunk_elems=100)
+    native_reduce_scatter(ref, xs[rank].clone())
+    if world == 2:
+        assert same_bits(out, ref)
+    else:
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+        print(f"rank {rank}/{world}: {(out != ref).sum().item()} of {numel} fp32 elements differ from torch's "
+              f"reduce_scatter_tensor (different sum order)")
+
+
+def case_async_and_gather(rank, world):
+    """async_op handle; all_gather out of place and in place; reduce-scatter then all-gather into the same
+    storage that was the reduce-scatter input (the ZeRO-1 pattern)."""
+    import torch.distributed as tdist
+
+    from acco_ds.collectives import all_gather, reduce_scatter
+    numel = 13
+    xs = inputs(world, numel, torch.float32, seed=11)
+    buf = xs[rank].clone()
+    shard = torch.empty(numel)
+    work = reduce_scatter(shard, buf, None, chunk_elems=5, async_op=True)
+    assert work.wait() and work.is_completed()
+    assert same_bits(shard, rank_order_sum(xs, rank, numel))
+    full = torch.cat([rank_order_sum(xs, r, numel) for r in range(world)])
+    # out of place
+    gathered = torch.full((world * numel,), float("nan"))
+    all_gather(gathered, shard, None)
+    assert same_bits(gathered, full)
+    # in place, into the reduce-scatter input's storage
+    buf[rank * numel:(rank + 1) * numel].copy_(shard)
+    work = all_gather(buf, buf[rank * numel:(rank + 1) * numel], None, async_op=True)
+    work.wait()
+    assert same_bits(buf, full)
+    for dtype in (torch.bfloat16, torch.float16):
+        b = torch.full((world * numel,), float("nan"), dtype=dtype)
+        b[rank * numel:(rank + 1) * numel] = torch.arange(numel, dtype=dtype) + rank
+        all_gather(b, b[rank * numel:(rank + 1) * numel], None)
+        assert same_bits(b, torch.cat([torch.arange(numel, dtype=dtype) + r for r in range(world)]))
+    # a subgroup (ranks 0 and 1), and an empty partition
+    sub = tdist.new_group([0, 1])
+    if rank < 2:
+        ys = inputs(2, 9, torch.float32, seed=5)
+        out = torch.empty(9)
+        reduce_scatter(out, ys[rank].clone(), sub, chunk_elems=4)
+        assert same_bits(out, rank_order_sum(ys, rank, 9))
+    reduce_scatter(torch.empty(0), torch.empty(0), None)
+    tdist.barrier()
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def worker(case):
+    import torch.distributed as tdist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        CASES[case](rank, world)
+        tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+
+
+# --------------------------------------------------------------- test side
+def launch(case, world, timeout=100.0):
+    from dist import free_port
+    path = os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=path)
+    with tempfile.TemporaryDirectory(prefix="acco_coll_") as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, __file__, case], env={**env, "RANK": str(r)}, stdout=logs[r],
+                                  stderr=subprocess.STDOUT) for r in range(world)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"{case} on {world} ranks: exit codes {codes}\n" +
+                             "\n".join(f"--- rank {r} ---\n{t[-3000:]}" for r, t in enumerate(texts)))
+    return texts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_collectives(case, world):
+    texts = launch(case, world)
+    for t in texts:
+        for line in t.splitlines():
+            if line.startswith("rank "):
+                print(line)
+
+
+def test_is_gloo_parses_backends(monkeypatch):
+    import torch.distributed as tdist
+
+    from acco_ds import collectives
+    cases = [("gloo", True, True), ("nccl", False, False), ("cpu:gloo,cuda:nccl", True, False),
+             ("cuda:nccl,cpu:gloo", True, False), ("cpu:gloo,cuda:gloo", True, True)]
+    for backend, cpu, cuda in cases:
+        monkeypatch.setattr(tdist, "get_backend", lambda group=None, b=backend: b)
+        assert collectives._is_gloo(None, torch.device("cpu")) == cpu, backend
+        assert collectives._is_gloo(None, torch.device("cuda")) == cuda, backend
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
