@@ -12,11 +12,18 @@ STEPS  ?= 60
 
 install: $(STAMP)
 
-$(STAMP): setup.py requirements-dev.txt constraints.txt
+# The native ops are built ahead of time (second pip install, ACCO_BUILD_OPS=1; the CUDA op too when
+# torch has CUDA and nvcc is found, ACCO_BUILD_CUDA=1/0 forces/skips it), so demo and test never
+# JIT-compile. Editing csrc/ re-runs this recipe: the built module must match the sources.
+OPS_SOURCES := $(wildcard csrc/*.h csrc/*/*.h csrc/*/*.cpp csrc/*/*.cu)
+
+$(STAMP): setup.py requirements-dev.txt constraints.txt $(OPS_SOURCES)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=70.1"
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e . -r requirements-dev.txt
+	ACCO_BUILD_OPS=1 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation --no-deps -e .
+	$(BIN)/python -c "import acco_ds.ops.acco_cpu_ops_op"
 	touch $@
 
 demo: $(STAMP)

@@ -11,9 +11,7 @@ treated as "use the default"), one documented field per key.
 
 from typing import Literal, Optional
 
-import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from deepspeed.runtime.config import DtypeEnum
 from pydantic import Field, ValidationError, model_validator
 
 ACCO_KEY = "acco"
@@ -26,14 +24,14 @@ class ACCOEmulationConfig(DeepSpeedConfigModel):
     row that uses them says so.
     """
 
-    comm_delay_s: float = Field(0.0, ge=0.0)
+    comm_delay_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     """Extra seconds the communication side sleeps in every round before it
     starts, on every rank (emulates a slow network)."""
 
     slow_rank: int = -1
     """Data-parallel rank whose compute is slowed (-1: none)."""
 
-    slow_factor: float = Field(1.0, ge=1.0)
+    slow_factor: float = Field(1.0, ge=1.0, allow_inf_nan=False)
     """On ``slow_rank``, every micro-batch takes this many times as long: after
     each backward the rank sleeps ``(slow_factor - 1) x`` the measured time of
     that forward+backward."""
@@ -72,7 +70,7 @@ class ACCOConfig(DeepSpeedConfigModel):
     (C++/CUDA ops, an error if they do not build), ``torch`` (pure PyTorch),
     ``auto`` (native when it loads, else torch with one log line)."""
 
-    timeout_s: float = Field(1800.0, gt=0.0)
+    timeout_s: float = Field(1800.0, gt=0.0, allow_inf_nan=False)
     """Timeout of the communication side's process group. If another rank
     fails, every rank raises an error within about this time instead of
     hanging."""
@@ -100,6 +98,20 @@ class ACCOConfig(DeepSpeedConfigModel):
         return self.max_micro_batches_per_round or 4 * low
 
 
+def _unknown_keys(model, block: dict, prefix: str) -> list:
+    """One message per key of ``block`` (and of its nested config objects) that ``model`` does not know."""
+    lines = []
+    for key, value in block.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            known = ", ".join(model.model_fields)
+            lines.append(f'unknown key "{prefix}.{key}" (misspelled?). Known keys: {known}')
+        elif isinstance(value, dict) and isinstance(field.annotation, type) \
+                and issubclass(field.annotation, DeepSpeedConfigModel):
+            lines += _unknown_keys(field.annotation, value, f"{prefix}.{key}")
+    return lines
+
+
 def parse_acco_config(ds_config: dict) -> ACCOConfig:
     """Read the ``"acco"`` block of a DeepSpeed config dict (absent: disabled).
 
@@ -111,6 +123,12 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
     if not isinstance(block, dict):
         raise ValueError(f'DeepSpeed config key "acco" must be an object such as '
                          f'{{"enabled": true, "mode": "acco"}}, got {type(block).__name__}: {block!r}')
+    # Unknown keys are found here, not by pydantic alone: DeepSpeedConfigModel drops every key whose
+    # value is "auto" before validation and takes a key "strict" as its own argument, so both would
+    # slip through, and a non-string key would raise TypeError.
+    unknown = _unknown_keys(ACCOConfig, block, "acco")
+    if unknown:
+        raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(unknown))
     try:
         return ACCOConfig(**block)
     except ValidationError as err:
@@ -155,10 +173,5 @@ def validate_against_deepspeed(acco: ACCOConfig, ds_config, *, is_pipeline: bool
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
                         "communication side thread): remove offload_optimizer")
-    if ds_config.bfloat16_config.enabled and ds_config.grad_accum_dtype is not None \
-            and DtypeEnum(ds_config.grad_accum_dtype).value == torch.float32:
-        problems.append('data_types.grad_accum_dtype="fp32" with bf16 makes DeepSpeed use its BF16_Optimizer '
-                        'instead of ZeRO-1; ACCO always accumulates gradients in fp32 anyway: remove '
-                        'data_types.grad_accum_dtype')
     if problems:
         raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))

@@ -8,7 +8,9 @@
 ``load_kernels(kernels, device)`` picks the implementation the engine uses:
 ``native`` (the C++/CUDA op; an error naming the cause if it does not build),
 ``torch`` (the reference), ``auto`` (native if it loads, else torch with one
-log line).
+log line). A JIT build never hangs on a lock left by a killed build, nor waits
+for another process's build longer than ``ACCO_JIT_WAIT_S`` seconds (default
+300): see ``builder.JitBuildLock``.
 """
 
 import logging
@@ -88,6 +90,9 @@ def load_kernels(kernels: str = "auto", device="cpu") -> Kernels:
             result = _native_kernels(device_type)
         except Exception as err:  # noqa: BLE001 - any build/load failure
             _load_errors[device_type] = f"{type(err).__name__}: {err}"
+            if kernels == "native" and getattr(err, "lock_path", None) is not None:  # builder.JitLockTimeout
+                raise RuntimeError(f'acco.kernels="native" but the {device_type} op could not be loaded: {err}') \
+                    from err
             if kernels == "native":
                 raise RuntimeError(f'acco.kernels="native" but the {device_type} op could not be built or loaded '
                                    f'({_load_errors[device_type]}). Install a C++ compiler and ninja (and nvcc for '

@@ -1,0 +1,237 @@
+"""A JIT build of the native op cannot hang on torch's build lock (``builder.JitBuildLock``).
+
+Every test uses a private ``TORCH_EXTENSIONS_DIR`` and replaces the real build
+(``jit_load``) with a fake that takes the lock the way torch's ``_jit_compile``
+does, so the tests take seconds and compile nothing.
+"""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from acco_ds import ops
+from acco_ds.ops import builder as builder_mod
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+NAME = builder_mod.AccoCPUOpBuilder.NAME
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """Private extension dir, short bounds, no AOT module, fake build; yields a record of the fake builds."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "0.5")
+    monkeypatch.setenv(builder_mod.JIT_STALE_ENV, "600")
+    monkeypatch.setattr(builder_mod._AccoOpBuilder, "aot_module", lambda self: None)
+    builds = []
+
+    def fake_jit_load(self, verbose=True):
+        # What torch.utils.cpp_extension._jit_compile does with its lock, minus the compiler.
+        import torch.utils.cpp_extension as cpp
+        build_dir = cpp._get_build_directory(self.name, False)
+        baton = cpp.FileBaton(os.path.join(build_dir, "lock"))
+        if baton.try_acquire():
+            try:
+                owner_file = os.path.join(build_dir, "lock.owner")
+                builds.append(open(owner_file).read().split()[:2] if os.path.exists(owner_file) else None)
+            finally:
+                baton.release()
+        else:
+            baton.wait()
+        module = types.SimpleNamespace(adamw_update=None, pack=None, unpack=None)
+        OpBuilder._loaded_ops[self.name] = module
+        return module
+
+    monkeypatch.setattr(builder_mod._AccoOpBuilder, "jit_load", fake_jit_load, raising=False)
+    saved_loaded = dict(OpBuilder._loaded_ops)
+    saved_cache = dict(ops._cache)
+    OpBuilder._loaded_ops.pop(NAME, None)
+    ops._cache.clear()
+    ops._load_errors.clear()
+    yield types.SimpleNamespace(builds=builds, lock=builder_mod.JitBuildLock.for_op(NAME))
+    OpBuilder._loaded_ops.clear()
+    OpBuilder._loaded_ops.update(saved_loaded)
+    ops._cache.clear()
+    ops._cache.update(saved_cache)
+    ops._load_errors.clear()
+
+
+def plant(lock, owner=None, age_s=0.0):
+    """Create ``lock`` as a build would leave it: optionally an owner record, optionally ``age_s`` old."""
+    os.makedirs(lock.build_dir, exist_ok=True)
+    open(lock.lock_path, "w").close()
+    if owner is not None:
+        with open(lock.owner_path, "w") as f:
+            f.write(f"{owner[0]} {owner[1]}\n")
+    if age_s:
+        old = time.time() - age_s
+        for path in (lock.lock_path, lock.owner_path, lock.build_dir):
+            if os.path.exists(path):
+                os.utime(path, (old, old))
+
+
+def acco_warnings(caplog):
+    return [r for r in caplog.records if r.name == "acco_ds" and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.timeout(60)
+def test_lock_is_in_torch_build_directory(env):
+    import torch.utils.cpp_extension as cpp
+    assert env.lock.lock_path == os.path.join(cpp._get_build_directory(NAME, False), "lock")
+    assert env.lock.lock_path.startswith(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernels", ["auto", "native"])
+def test_stale_lock_of_dead_owner_is_cleared(env, caplog, kernels):
+    plant(env.lock, owner=(dead_pid(), socket.gethostname()))
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        kernels_ = ops.load_kernels(kernels, "cpu")
+    assert time.monotonic() - start < 10
+    assert kernels_.name == "native-cpu"
+    assert env.builds == [[str(os.getpid()), socket.gethostname()]]  # we took the lock and recorded ourselves
+    assert not os.path.exists(env.lock.lock_path) and not os.path.exists(env.lock.owner_path)
+    warnings = acco_warnings(caplog)
+    assert len(warnings) == 1 and env.lock.lock_path in warnings[0].getMessage()
+    assert "stale" in warnings[0].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_old_ownerless_lock_is_cleared(env, caplog):
+    plant(env.lock, age_s=3600)
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        assert ops.load_kernels("auto", "cpu").name == "native-cpu"
+    assert len(env.builds) == 1
+    assert any(env.lock.lock_path in r.getMessage() for r in acco_warnings(caplog))
+
+
+@pytest.mark.timeout(60)
+def test_recent_ownerless_lock_is_not_stale(env):
+    plant(env.lock)
+    assert env.lock.stale_reason() is None
+    plant(env.lock, age_s=3600)
+    with open(os.path.join(env.lock.build_dir, "build.ninja"), "w"):  # a build still writing: not stale
+        pass
+    assert env.lock.stale_reason() is None
+
+
+@pytest.mark.timeout(60)
+def test_owner_record_of_an_earlier_lock_is_ignored(env):
+    plant(env.lock, owner=(dead_pid(), socket.gethostname()))
+    old = time.time() - 3600
+    os.utime(env.lock.owner_path, (old, old))  # written for an earlier lock, not this one
+    assert env.lock.owner() is None
+    assert env.lock.stale_reason() is None  # fresh lock, no usable owner: a build may be running
+
+
+@pytest.mark.timeout(60)
+def test_live_lock_auto_falls_back_with_one_warning(env, caplog):
+    plant(env.lock, owner=(os.getpid(), socket.gethostname()))  # a build in progress (this process)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        first = ops.load_kernels("auto", "cpu")
+        again = ops.load_kernels("auto", "cpu")
+    assert time.monotonic() - start < 10
+    assert first is ops.TORCH and again is ops.TORCH
+    assert env.builds == []
+    assert os.path.exists(env.lock.lock_path)  # a live build's lock is left alone
+    warnings = acco_warnings(caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert env.lock.lock_path in warnings[0].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_live_lock_native_raises_naming_lock_and_fix(env):
+    plant(env.lock, owner=(os.getpid(), socket.gethostname()))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ops.load_kernels("native", "cpu")
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert env.lock.lock_path in message
+    assert "delete" in message and '"kernels": "torch"' in message
+    assert isinstance(info.value.__cause__, builder_mod.JitLockTimeout)
+
+
+@pytest.mark.timeout(60)
+def test_wait_returns_when_the_other_build_finishes(env):
+    plant(env.lock, owner=(os.getpid(), socket.gethostname()))
+    old = time.time()
+
+    import threading
+    timer = threading.Timer(0.3, env.lock.release)
+    timer.start()
+    env.lock.wait(wait_s=20)
+    timer.join()
+    assert not env.lock.held() and time.time() - old < 10
+
+
+@pytest.mark.timeout(60)
+def test_torch_baton_wait_is_bounded(env):
+    """The race: another process takes the lock after our check, inside torch's own load()."""
+    import torch.utils.cpp_extension as cpp
+    original = cpp.FileBaton
+    plant(env.lock, owner=(os.getpid(), socket.gethostname()))
+    with builder_mod.bounded_torch_baton():
+        baton = cpp.FileBaton(env.lock.lock_path)
+        assert not baton.try_acquire()
+        with pytest.raises(builder_mod.JitLockTimeout, match="delete"):
+            baton.wait()
+    assert cpp.FileBaton is original
+    env.lock.release()
+    with builder_mod.bounded_torch_baton():
+        baton = cpp.FileBaton(env.lock.lock_path)
+        assert baton.try_acquire()
+        assert env.lock.owner()[:2] == (os.getpid(), socket.gethostname())
+        baton.release()
+    assert not os.path.exists(env.lock.lock_path) and not os.path.exists(env.lock.owner_path)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_loaders_build_once(env, tmp_path):
+    """Two processes: one takes the lock and builds, the other waits for it and loads the result."""
+    script = tmp_path / "loader.py"
+    script.write_text(
+        "import os, sys, time, types\n"
+        "from acco_ds.ops import builder as b\n"
+        "b._AccoOpBuilder.aot_module = lambda self: None\n"
+        "def fake(self, verbose=True):\n"
+        "    import torch.utils.cpp_extension as cpp\n"
+        "    d = cpp._get_build_directory(self.name, False)\n"
+        "    baton = cpp.FileBaton(os.path.join(d, 'lock'))\n"
+        "    if baton.try_acquire():\n"
+        "        try:\n"
+        "            if not os.path.exists(os.path.join(d, 'built')):  # torch rebuilds only if sources changed\n"
+        "                with open(os.path.join(d, 'built'), 'a') as f: f.write(str(os.getpid()) + '\\n')\n"
+        "                time.sleep(2)\n"
+        "        finally:\n"
+        "            baton.release()\n"
+        "    else:\n"
+        "        baton.wait()\n"
+        "    return types.SimpleNamespace()\n"
+        "b._AccoOpBuilder.jit_load = fake\n"
+        "b.AccoCPUOpBuilder().load()\n"
+        "print('loaded')\n")
+    env_vars = dict(os.environ, **{builder_mod.JIT_WAIT_ENV: "30", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env_vars, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=50)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert all("loaded" in out for out in outputs), outputs
+    with open(os.path.join(env.lock.build_dir, "built")) as f:
+        assert len(f.read().split()) == 1  # built once
+    assert not env.lock.held()
