@@ -1,8 +1,10 @@
 """``python -m acco_ds.report`` (or ``acco-ds report``): what acco_ds will use here.
 
-Versions, whether ``acco_ds.patch()`` is active in this process, the native
-ops (compatible, built ahead of time, loadable, what ``kernels="auto"``
-picks), then DeepSpeed's own environment report (``ds_report``).
+Versions, whether ``acco_ds.patch()`` is active in this process, the startup
+hook (``acco_ds_autopatch.pth`` installed in site-packages, its state in this
+process, the ``ACCO_DS_AUTOPATCH`` opt-out), the native ops (compatible,
+built ahead of time, loadable, what ``kernels="auto"`` picks), then
+DeepSpeed's own environment report (``ds_report``).
 """
 
 import importlib.metadata
@@ -14,6 +16,25 @@ def _version(pkg):
         return importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def autopatch_lines():
+    """The startup hook: is its .pth installed, what did it do in this process, the opt-out."""
+    from acco_ds import _autopatch
+    st = _autopatch.status()
+    if st["pth"]:
+        hook = f"installed ({', '.join(st['pth'])})"
+    else:
+        hook = (f"not installed (no {_autopatch.PTH_NAME} in this interpreter's site directories: "
+                "reinstall acco_ds, or use acco_ds.patch() / python -m acco_ds.run)")
+    if st["env"] is None:
+        optout = "unset (autopatch on)"
+    elif st["enabled"]:
+        optout = f"{st['env']!r} (autopatch on)"
+    else:
+        optout = f"{st['env']!r} (autopatch off: stock DeepSpeed unless acco_ds.patch() or acco_ds.run)"
+    return [f"startup hook ....... {hook}", f"autopatch .......... {st['active']}",
+            f"{_autopatch.ENV} .. {optout}"]
 
 
 def _ops_table(torch):
@@ -47,10 +68,13 @@ def _ops_table(torch):
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "memory":
+        from .memory import main as memory
+        return memory(args[1:])
     if args and args[0] == "report":
         args = args[1:]
     if args:
-        print("usage: acco-ds report  |  python -m acco_ds.report")
+        print("usage: acco-ds report  |  acco-ds memory --params 7e9 --gpus 8 --dtype bf16")
         return 2
     import torch
 
@@ -63,6 +87,11 @@ def main(argv=None):
         print(f"{pkg:.<20} {_version(pkg)}")
     print(f"CUDA available ..... {torch.cuda.is_available()}")
     print(f"patch active ....... {acco_ds.is_patched()} (acco_ds.patch() in this process)")
+    try:
+        for line in autopatch_lines():
+            print(line)
+    except Exception as err:  # noqa: BLE001
+        print(f"startup hook ....... unknown ({type(err).__name__}: {err})")
     print("\nnative ops (building them if needed):")
     _ops_table(torch)
     print("\nDeepSpeed environment (ds_report):")

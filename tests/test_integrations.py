@@ -71,6 +71,8 @@ def ds_config(tmp_path, acco=True):
 
 def test_patch_is_idempotent_and_reversible():
     import deepspeed
+    autopatched = acco_ds.is_patched()  # the startup hook patched this process's deepspeed
+    acco_ds.unpatch()
     original = deepspeed.initialize
     try:
         acco_ds.patch()
@@ -82,14 +84,17 @@ def test_patch_is_idempotent_and_reversible():
         acco_ds.unpatch()
     assert deepspeed.initialize is original and not acco_ds.is_patched()
     acco_ds.unpatch()  # harmless twice
+    if autopatched:
+        acco_ds.patch()
 
 
 def test_patched_initialize_picks_the_engine_from_the_config(tmp_path):
     """A real 1-rank gloo group: the engine class follows the "acco" block, the swap is scoped to
     the call, PipelineModule is refused with a pointer to --no-pipeline-parallel, unpatch restores."""
     out = tmp_path / "patch.json"
+    # Opt out of the startup hook: this test is about explicit patch()/unpatch().
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(free_port()), "ACCO_DS_AUTOPATCH": "0"}
     run([sys.executable, str(HERE / "patch_check.py"), str(out)], timeout=120, env=env)
     r = json.loads(out.read_text())
     assert r["stock_before_patch"] == "DeepSpeedEngine"  # without patch() the block is inert
