@@ -125,7 +125,10 @@ class CommWorker:
         self._busy = False
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"ACCO communication failed on this rank: {type(err).__name__}: {err}") from err
+            raise RuntimeError(f"ACCO communication failed on this rank: {type(err).__name__}: {err}. Another rank "
+                               f"has probably died, hung or lost its network (a hang is detected after "
+                               f"acco.timeout_s = {self.timeout_s:g} s): check the other ranks' logs, then relaunch "
+                               f"and load_checkpoint") from err
         if self.cuda and self._done_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._done_event)
         result, self._result = self._result, None

@@ -38,7 +38,15 @@ class ACCOEmulationConfig(DeepSpeedConfigModel):
 
 
 class ACCOConfig(DeepSpeedConfigModel):
-    """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613)."""
+    """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613).
+
+    Precision is set by DeepSpeed's own keys, not here: gradients accumulate in
+    ``data_types.grad_accum_dtype`` (default: the model dtype, as stock ZeRO-1)
+    and are reduce-scattered in ``communication_data_type`` (default: the model
+    dtype); the update sums them in fp32. ACCO then needs one model-sized
+    buffer beyond stock ZeRO-1 (4N more with fp32 accumulation on a 16-bit
+    model): see ``acco_ds.memory``.
+    """
 
     enabled: bool = False
     """Train with ACCO. ``false`` (or no block) gives stock DeepSpeed."""
@@ -66,7 +74,7 @@ class ACCOConfig(DeepSpeedConfigModel):
     Default: 4 x the minimum."""
 
     kernels: Literal["auto", "torch", "native"] = "auto"
-    """Implementation of the fused Adam update and gradient packing: ``native``
+    """Implementation of the fused Adam update (Peek and commit): ``native``
     (C++/CUDA ops, an error if they do not build), ``torch`` (pure PyTorch),
     ``auto`` (native when it loads, else torch with one log line)."""
 

@@ -9,6 +9,13 @@ Only the glue lives here. The engine
   DeepSpeed works: ``step()`` after each micro-batch, or ``backward()`` per
   micro-batch and ``step()`` only at the boundary
   (``set_gradient_accumulation_boundary`` keeps having no side effects);
+* shows users the committed weights: ``save_checkpoint``, the module's
+  ``state_dict()`` (read by Hugging Face ``save_pretrained`` and Accelerate)
+  and evaluation (``eval()`` until ``train()``) see θ_t, never the estimate
+  θ̃ the compute side may be working at. The parameters are pointed at the
+  buffer that already holds θ_t: no copy, no extra memory;
+* ``acco_finalize()`` (also run by ``destroy()``) commits the step whose two
+  half-batches are complete, so N iterations give N optimizer steps;
 * does the per-committed-step bookkeeping that ``_take_model_step`` does in
   stock DeepSpeed: ``global_steps``, ``global_samples``, ``skipped_steps``,
   the LR scheduler (once per committed step, so a Peek sees the learning rate
@@ -21,14 +28,16 @@ optimizer divides the reduced gradient sum by the global micro-batch count.
 ``scale_wrt_gas`` is true, as DeepSpeed does, for logging code that expects it.
 """
 
+import contextlib
 import functools
+
 import deepspeed.runtime.engine as ds_engine
 import torch
+import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import log_dist
+from deepspeed.utils import log_dist, logger
 
 from .config import parse_acco_config, validate_against_deepspeed
-from .rounds import COMMIT
 from .zero1 import ACCOZeroOptimizer, CommResult
 
 
@@ -55,6 +64,7 @@ class ACCOEngine(DeepSpeedEngine):
         self.__dict__["acco_config"] = acco
         self.__dict__["_acco_lr_kwargs"] = None
         self.__dict__["_acco_applied"] = False
+        self.__dict__["_acco_eval_view"] = False
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, ACCOZeroOptimizer):
             raise ValueError("ACCO needs an optimizer and ZeRO stage 1 (got optimizer "
@@ -64,19 +74,35 @@ class ACCOEngine(DeepSpeedEngine):
         if zc.overlap_comm:
             log_dist("ACCO: zero_optimization.overlap_comm is not used; ACCO overlaps communication with "
                      "whole rounds of compute", ranks=[0])
-        log_dist(f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
-                 f"micro-batches/round={self.optimizer.schedule.min_micro}..{self.optimizer.schedule.max_micro} "
-                 f"kernels={self.optimizer.kernels.name} update="
-                 f"{'fused Adam' if self.optimizer._adam else 'generic Peek'}", ranks=[0])
+        opt = self.optimizer
+        # The module's state_dict() (save_pretrained, Accelerate's get_state_dict) sees committed weights.
+        self.module.register_state_dict_pre_hook(lambda *_: opt.show_committed(self._acco_on_commit))
+        self.module.register_state_dict_post_hook(lambda *_: opt.restore_compute_params(all_levels=False))
+        extra = opt.buffer_bytes()["total"]
+        _say(f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
+             f"micro-batches/round={opt.schedule.min_micro}"
+             f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
+             f"world_size={opt.world_size} model={_dt(opt.dtype)} grad_accum={_dt(opt.accum_dtype)} "
+             f"communication={_dt(opt.comm_dtype)} kernels={opt.kernels.name} update={opt.update.name} "
+             f"extra buffers={extra / 2**20:.1f} MiB/rank")
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
         original = ds_engine.DeepSpeedZeroOptimizer
-        ds_engine.DeepSpeedZeroOptimizer = functools.partial(ACCOZeroOptimizer, acco_config=self.acco_config)
+        ds_engine.DeepSpeedZeroOptimizer = functools.partial(ACCOZeroOptimizer, acco_config=self.acco_config,
+                                                             communication_data_type=self.communication_data_type)
         try:
             return super()._configure_zero_optimizer(optimizer)
         finally:
             ds_engine.DeepSpeedZeroOptimizer = original
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        # Stock DeepSpeed sends bf16 + grad_accum_dtype=fp32 to BF16_Optimizer; ACCO keeps ZeRO-1
+        # and accumulates in fp32 itself.
+        kind = super()._do_optimizer_sanity_check(basic_optimizer)
+        if kind == ds_engine.BFLOAT16 and self.zero_optimization_stage() == 1:
+            return ds_engine.ZERO_OPTIMIZATION
+        return kind
 
     # -------------------------------------------------------------- backward
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
@@ -103,9 +129,7 @@ class ACCOEngine(DeepSpeedEngine):
         opt.accumulate_gradients()
         opt.emulate_slow_worker()
         if opt.round_may_end():
-            result = opt.end_round()
-            if result is not None and result.op == COMMIT:
-                self._acco_on_commit(result)
+            opt.end_round(self._acco_on_commit)
         opt.exit_backward()
         self._stop_timers(self.engine_timers.backward_timers)
 
@@ -142,10 +166,10 @@ class ACCOEngine(DeepSpeedEngine):
             self._report_progress(self.global_steps)
             s = self.optimizer.round_stats()
             hidden = s["hidden_comm_fraction"]
-            log_dist(f"ACCO step={self.global_steps}: rounds={s['rounds']} "
-                     f"micro-batches/round={s['mean_micro_per_round']:.2f} "
-                     f"compute={s['compute_s']:.2f}s comm={s['comm_s']:.2f}s waited={s['wait_s']:.2f}s "
-                     f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}", ranks=[0])
+            _say(f"ACCO step={self.global_steps}: rounds={s['rounds']} "
+                 f"micro-batches/round={s['mean_micro_per_round']:.2f} "
+                 f"compute={s['compute_s']:.2f}s comm={s['comm_s']:.2f}s waited={s['wait_s']:.2f}s "
+                 f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
         if self.monitor.enabled and self.global_rank == 0:
             s = self.optimizer.round_stats()
             events = [("Train/Samples/acco_global_micro_batches", result.global_micro, self.global_samples),
@@ -171,15 +195,113 @@ class ACCOEngine(DeepSpeedEngine):
         s.update(global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
         return s
 
+    # ------------------------------------------------- committed weights
+    @contextlib.contextmanager
+    def acco_committed_weights(self):
+        """Within this block the module's parameters are the committed weights
+        θ_t (matching ``global_steps`` and the optimizer state), also in the
+        middle of a real round where the compute side works at the estimate."""
+        self.optimizer.show_committed(self._acco_on_commit)
+        try:
+            yield
+        finally:
+            self.optimizer.restore_compute_params(all_levels=False)
+
+    def save_checkpoint(self, save_dir, *args, **kwargs):
+        with self.acco_committed_weights():
+            try:
+                return super().save_checkpoint(save_dir, *args, **kwargs)
+            except (OSError, RuntimeError) as err:
+                # torch's own messages (e.g. "[enforce fail at inline_container.cc] unexpected pos") do not
+                # say that the disk is full or where.
+                free = _free_bytes(save_dir)
+                raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed ({type(err).__name__}: {err}); "
+                                   f"free space there: {free}. The previous checkpoint is intact ('latest' was "
+                                   f"not moved); delete the partial tag folder and free space or save elsewhere"
+                                   ) from err
+
+    def load_checkpoint(self, load_dir, *args, **kwargs):
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        try:
+            out = super().load_checkpoint(load_dir, *args, **kwargs)
+        except ZeRORuntimeException as err:
+            if "world size" not in str(err):
+                raise
+            raise ValueError(f"{err}\nACCO checkpoints keep per-rank in-flight gradients: resume with the world "
+                             f"size they were saved with, or load only the module weights: load_checkpoint(..., "
+                             f"load_optimizer_states=False, load_lr_scheduler_states=False)") from err
+        except (OSError, EOFError, RuntimeError) as err:
+            if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
+                raise
+            tag = kwargs.get("tag") or (args[0] if args else None)
+            raise RuntimeError(f"ACCO: could not read the checkpoint in {load_dir} (tag {tag or 'latest'}): "
+                               f"{type(err).__name__}: {err}. A file is probably truncated or corrupted: load an "
+                               f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err
+        # The save counted a finished commit (it waited for it): the uninterrupted run then reports
+        # that step as applied at its next step(), so the resumed run does too.
+        pending = self.optimizer._pending
+        self.__dict__["_acco_applied"] = bool(pending is not None and pending.accounted and pending.finite
+                                               and pending.op == "commit")
+        return out
+
+    def train(self, mode=True):
+        # eval() shows the committed weights until train() gives the compute side its own back.
+        opt = getattr(self, "optimizer", None)
+        if isinstance(opt, ACCOZeroOptimizer) and mode == self._acco_eval_view:
+            if mode:
+                opt.restore_compute_params(all_levels=False)
+            else:
+                opt.show_committed(self._acco_on_commit)
+            self.__dict__["_acco_eval_view"] = not mode
+        return super().train(mode)
+
+    def eval(self):
+        return self.train(False)
+
     # ------------------------------------------------------------- lifecycle
     def acco_drain(self) -> None:
-        """Wait for in-flight communication (e.g. before timing or evaluation)."""
+        """Wait for in-flight communication (e.g. before timing)."""
         self.optimizer.drain()
 
+    def acco_finalize(self) -> bool:
+        """Commit the step whose gradients are complete and install the
+        committed weights: after N iterations, N optimizer steps. Training may
+        go on afterwards; it restarts with a start-up round. Returns whether a
+        step was committed."""
+        self.__dict__["_acco_eval_view"] = False
+        return self.optimizer.finalize(self._acco_on_commit)
+
     def destroy(self):
-        if isinstance(getattr(self, "optimizer", None), ACCOZeroOptimizer):
-            self.optimizer.comm.close()
+        opt = getattr(self, "optimizer", None)
+        if isinstance(opt, ACCOZeroOptimizer) and opt.comm.group is not None:
+            try:
+                self.acco_finalize()
+            except Exception as err:  # noqa: BLE001 - a failed peer must not turn destroy into a crash
+                logger.warning(f"ACCO: could not commit the last step while destroying the engine: {err}")
+            opt.comm.close()
         super().destroy()
+
+
+def _free_bytes(path) -> str:
+    import os
+    import shutil
+    try:
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        return f"{shutil.disk_usage(probe or '.').free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown"
+
+
+def _dt(dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _say(msg: str) -> None:
+    """One line on rank 0 at the default log level (DeepSpeed's rank processes log at WARNING)."""
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        print(f"[acco_ds] {msg}", flush=True)
 
 
 __all__ = ["ACCOEngine"]

@@ -1,66 +1,150 @@
-"""Memory of ACCO vs stock DeepSpeed ZeRO-1, from the same training script.
+"""Memory of ACCO vs stock DeepSpeed ZeRO-1, side by side from the same training script.
 
-    python benchmarks/memory.py [--n_layer 8 --n_embd 512]
+    python benchmarks/memory.py [--n_layer 8 --n_embd 448 --steps 4]
+    python benchmarks/memory.py --convergence [--steps 150]   # bf16 vs fp32 accumulation, same data
 
-Runs examples/train_gpt.py for a few steps on 2 CPU ranks, once with stock
-ZeRO-1 (no acco block) and once with ACCO, and reports each rank-0 process's
-peak resident memory and ACCO's own buffer bytes next to the formula
-    8N + bN + 8N/W bytes   (two fp32 accumulators, gathered bit16/fp32
-                            parameters, reduced and kept fp32 partitions)
-for N parameters, b bytes per model parameter and W ranks.
+For each precision (fp32 model; bf16 model; bf16 model with
+``data_types.grad_accum_dtype = "fp32"``) it runs examples/train_gpt.py for a
+few steps on 2 CPU ranks (gloo), once with stock ZeRO-1 (no acco block) and
+once with ACCO, same model, data and config otherwise. It reports each rank-0
+process's peak resident memory (``ru_maxrss``; on a GPU also
+``torch.cuda.max_memory_allocated``), ACCO's own buffers as allocated
+(``engine.acco_stats()["buffer_bytes"]``) and the formula of
+``acco_ds.memory`` next to them, and the budget of issue 8:
+ACCO peak - stock peak <= 1.25 x bN + 32 MB. Results go to
+benchmarks/results/memory.json.
+
+Stock ZeRO-1 has no stage-1 path for bf16 + fp32 accumulation (DeepSpeed
+switches to BF16_Optimizer); that row compares with stock bf16 ZeRO-1.
 """
 
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = [  # (label, model dtype, grad_accum_dtype)
+    ("fp32", "fp32", None),
+    ("bf16", "bf16", None),
+    ("bf16, grad_accum_dtype fp32", "bf16", "fp32"),
+]
 
 
-def run(mode, args, out):
-    cmd = ["deepspeed", "--num_gpus", "2", str(ROOT / "examples/train_gpt.py"), "--deepspeed_config",
-           str(ROOT / "configs/acco_cpu.json"), "--mode", mode, "--steps", str(args.steps), "--n_layer",
-           str(args.n_layer), "--n_embd", str(args.n_embd), "--n_head", "8", "--eval_interval", "1000",
-           "--eval_batches", "2", "--results", out]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    subprocess.run(cmd, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shown = " ".join(c.replace(str(ROOT) + "/", "") for c in cmd[:-2])
-    return json.load(open(out)), f"DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 {shown}"
+def config_for(dtype, accum, acco, micro=None, gas=None):
+    cfg = json.load(open(ROOT / "configs/acco_cpu.json"))
+    if micro:
+        cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, gas
+    cfg["acco"]["kernels"] = "auto"
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if accum:
+        cfg["data_types"] = {"grad_accum_dtype": accum}
+    if not acco:
+        cfg.pop("acco")
+    return cfg
+
+
+def run(cfg, args, tmp, name, model=None):
+    path = os.path.join(tmp, f"{name}.json")
+    json.dump(cfg, open(path, "w"))
+    out = os.path.join(tmp, f"{name}_result.json")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(args.port),
+           str(ROOT / "examples/train_gpt.py"), "--deepspeed_config", path, "--steps", str(args.steps),
+           "--results", out] + (model or ["--n_layer", str(args.n_layer), "--n_embd", str(args.n_embd), "--n_head",
+                                         "8", "--eval_interval", "1000", "--eval_batches", "2", "--corpus_bytes",
+                                         "2000000"])
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS="1")
+    subprocess.run(cmd, env=env, check=True, timeout=1200, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.load(open(out))
+
+
+def convergence(args):
+    """The quickstart GPT, same data and steps, ACCO with bf16 vs fp32 gradient accumulation (and fp32).
+
+    Micro-batch 2 x 16 accumulation (8 micro-batches per round): with 2 per round both accumulations round
+    once (a bf16 add rounds the fp32 sum) and agree exactly, so that would show nothing."""
+    import torch
+    tmp = tempfile.mkdtemp()
+    model = ["--eval_interval", str(max(args.steps // 5, 1)), "--eval_batches", "8"]
+    rows = []
+    for label, dtype, accum in [("fp32 model", "fp32", None), ("bf16 model, bf16 accumulation", "bf16", None),
+                                ("bf16 model, fp32 accumulation", "bf16", "fp32")]:
+        r = run(config_for(dtype, accum, acco=True, micro=2, gas=16), args, tmp, f"conv_{dtype}_{accum}", model)
+        rows.append({"case": label, "history": r["history"], "final_val_loss": r["final_val_loss"],
+                     "final_train_loss": r["final_train_loss"], "skipped_steps": r["skipped_steps"]})
+    steps = [h["step"] for h in rows[0]["history"]]
+    print(f"\nACCO (acco/fixed), quickstart GPT (examples/train_gpt.py defaults), 2 CPU ranks, micro-batch 2 x 16 "
+          f"accumulation (8 per round), {args.steps} steps, same data; validation loss by step; torch "
+          f"{torch.__version__}")
+    print("| run | " + " | ".join(f"step {s}" for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for r in rows:
+        print(f"| {r['case']} | " + " | ".join(f"{h['val_loss']:.3f}" for h in r["history"]) + " |")
+    cmd = f"python benchmarks/memory.py --convergence --steps {args.steps}"
+    print(f"command: {cmd}")
+    out = Path(args.out).with_name("memory_convergence.json")
+    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__}, open(out, "w"), indent=1)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n_layer", type=int, default=8)
-    p.add_argument("--n_embd", type=int, default=512)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=448)
+    p.add_argument("--steps", type=int, default=None, help="default 4 (memory), 150 (--convergence)")
+    p.add_argument("--convergence", action="store_true")
+    p.add_argument("--port", type=int, default=29631)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.json"))
     args = p.parse_args()
-    tmp = tempfile.mkdtemp()
-    stock, cmd_stock = run("zero1", args, os.path.join(tmp, "zero1.json"))
-    acco, cmd_acco = run("acco", args, os.path.join(tmp, "acco.json"))
+    if args.convergence:
+        args.steps = args.steps or 150
+        return convergence(args)
+    args.steps = args.steps or 4
     import torch
+
+    from acco_ds.memory import acco_buffer_bytes, padded_numel
     sys.path.insert(0, str(ROOT / "examples"))
     from train_gpt import GPT
     n = sum(p.numel() for p in GPT(args.n_layer, 8, args.n_embd, 128).parameters())
-    w, b = 2, 4
-    formula = 8 * n + b * n + 8 * n / w
-    rows = [("stock ZeRO-1", stock["peak_rss_mb"], None), ("ACCO", acco["peak_rss_mb"], acco["acco"]["buffer_bytes"])]
-    print(f"\nGPT {n / 1e6:.1f}M parameters, fp32, 2 CPU ranks (gloo), torch {torch.__version__}")
-    print("| engine | peak RSS rank 0 (MB) | ACCO buffers (MB) |")
-    print("|---|---|---|")
-    for name, rss, buf in rows:
-        print(f"| {name} | {rss:.0f} | {'-' if buf is None else f'{buf / 2**20:.1f}'} |")
-    print(f"difference: {acco['peak_rss_mb'] - stock['peak_rss_mb']:.0f} MB; formula 8N + bN + 8N/W = "
-          f"{formula / 2**20:.1f} MB (N={n}, b={b}, W={w})")
-    print(f"commands: {cmd_stock}\n          {cmd_acco}")
+    tmp = tempfile.mkdtemp()
+    rows = []
+    for label, dtype, accum in CASES:
+        stock = run(config_for(dtype, None, acco=False), args, tmp, f"stock_{dtype}")
+        acco = run(config_for(dtype, accum, acco=True), args, tmp, f"acco_{dtype}_{accum}")
+        b = 4 if dtype == "fp32" else 2
+        buffers = acco["acco"]["buffer_bytes"]
+        formula = acco_buffer_bytes(padded_numel(n, 2), 2, dtype, accum)
+        extra = acco["peak_rss_mb"] - stock["peak_rss_mb"]
+        budget = (1.25 * b * n if accum is None else 4 * n) / 2**20 + 32
+        rows.append({"case": label, "n_params": n, "b": b, "stock_peak_rss_mb": stock["peak_rss_mb"],
+                     "acco_peak_rss_mb": acco["peak_rss_mb"], "extra_mb": extra, "budget_mb": budget,
+                     "model_mb": b * n / 2**20, "acco_buffers": buffers, "formula_bytes": formula,
+                     "stock_peak_cuda_mb": stock.get("peak_cuda_mb"), "acco_peak_cuda_mb": acco.get("peak_cuda_mb"),
+                     "stock_final_train_loss": stock["final_train_loss"],
+                     "acco_final_train_loss": acco["final_train_loss"]})
+    print(f"\nGPT {n / 1e6:.2f}M parameters, 2 ranks (gloo, DS_ACCELERATOR=cpu), {args.steps} steps, "
+          f"micro-batch 8 x 4 accumulation, AdamW; torch {torch.__version__}, {platform.processor() or 'cpu'}, "
+          f"{os.cpu_count()} cores")
+    print("| model | stock ZeRO-1 peak RSS (MB) | ACCO peak RSS (MB) | ACCO - stock (MB) | budget (MB) | "
+          "ACCO buffers: accumulator + communication + shards (MB) | formula (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        bb = r["acco_buffers"]
+        parts = f"{bb['accumulator'] / 2**20:.1f} + {bb['communication'] / 2**20:.1f} + " \
+                f"{(bb['shards'] + bb['reduced']) / 2**20:.1f} = {bb['total'] / 2**20:.1f}"
+        print(f"| {r['case']} | {r['stock_peak_rss_mb']:.0f} | {r['acco_peak_rss_mb']:.0f} | {r['extra_mb']:+.0f} | "
+              f"{r['budget_mb']:.0f} | {parts} | {r['formula_bytes'] / 2**20:.1f} |")
+    cmd = f"python benchmarks/memory.py --n_layer {args.n_layer} --n_embd {args.n_embd} --steps {args.steps}"
+    print(f"budget: 1.25 x bN + 32 MB (fp32 accumulation on bf16: 4N + 32 MB); command: {cmd}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    json.dump({"n_params": n, "stock_peak_rss_mb": stock["peak_rss_mb"], "acco_peak_rss_mb": acco["peak_rss_mb"],
-               "acco_buffer_bytes": acco["acco"]["buffer_bytes"], "formula_bytes": formula,
-               "commands": [cmd_stock, cmd_acco]}, open(args.out, "w"), indent=1)
+    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__, "cores": os.cpu_count()},
+              open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

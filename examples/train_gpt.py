@@ -136,12 +136,22 @@ def evaluate(engine, batches, n_batches, device):
     return (total[0] / total[1]).item()
 
 
+def link_tx_bytes():
+    """Bytes sent so far on the interface gloo uses (GLOO_SOCKET_IFNAME), from the kernel's counter;
+    None when gloo is not bound to one interface. Benchmarks read bytes on the wire from here."""
+    path = f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME', '')}/statistics/tx_bytes"
+    if not os.environ.get("GLOO_SOCKET_IFNAME") or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(f.read())
+
+
 def acco_totals(engine):
     """Cumulative ACCO round figures (None for a stock engine)."""
     if not hasattr(engine, "acco_stats"):
         return None
     s = engine.acco_stats()
-    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s")}
+    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "stats_allreduce_s")}
 
 
 def main():
@@ -218,7 +228,7 @@ def main():
     slow_here = args.slow_factor > 1 and rank == args.slow_rank and not acco_cfg.get("enabled")
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
-    warm = {"time": start, "step": 0, "samples": 0, "stats": None}
+    warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
     while engine.global_steps < steps:
         x, y = train.get(micro)
         before = engine.global_steps
@@ -235,7 +245,7 @@ def main():
         # A step was committed: the module holds the new parameters.
         if engine.global_steps == args.warmup_steps:
             warm = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
-                    "samples": engine.global_samples, "stats": acco_totals(engine)}
+                    "samples": engine.global_samples, "stats": acco_totals(engine), "tx": link_tx_bytes()}
         elapsed = time.perf_counter() - start - eval_time
         tokens = engine.global_steps * tokens_per_step
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
@@ -250,6 +260,7 @@ def main():
     if hasattr(engine, "acco_drain"):
         engine.acco_drain()
     elapsed = time.perf_counter() - start - eval_time
+    tx_end = link_tx_bytes()
     measured = time.perf_counter() - eval_time - warm["time"]
     measured_steps = engine.global_steps - warm["step"]
     if bar is not None:
@@ -263,11 +274,17 @@ def main():
         "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
         "micro_batches": micro, "skipped_steps": engine.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         # Throughput after --warmup_steps (all steps when 0).
         "measured_steps": measured_steps, "measured_time_s": measured,
         "measured_samples_per_s": (engine.global_samples - warm["samples"]) / measured,
         "measured_step_time_s": measured / max(measured_steps, 1),
     }
+    if tx_end is not None:  # bytes this rank sent on gloo's interface over the measured steps
+        sent = torch.tensor([float(tx_end - warm["tx"])], dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(sent) for _ in range(world)]
+        deepspeed.comm.all_gather(gathered, sent)
+        summary["measured_tx_bytes_per_rank"] = [int(t.item()) for t in gathered]
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
         stats.pop("last_rounds", None)

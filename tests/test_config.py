@@ -56,8 +56,6 @@ def test_malformed_acco_blocks(block, needle):
     (dict(acco={"mode": "acco"}, zero_optimization={"stage": 0}), "zero_optimization.stage is 0"),
     (dict(acco={"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 1}, gas=4),
      "max_micro_batches_per_round (1) is below the minimum of 2"),
-    (dict(acco={"mode": "acco"}, dtype="bf16", data_types={"grad_accum_dtype": "fp32"}),
-     "remove data_types.grad_accum_dtype"),
     (dict(acco={"mode": "acco"}, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
      "remove offload_optimizer"),
 ])

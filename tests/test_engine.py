@@ -70,7 +70,7 @@ def test_clipping_schedule_param_groups_and_client_optimizers():
     torch.testing.assert_close(torch.tensor(results[0]["norms"], dtype=torch.float64),
                                torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
     assert_matches(results[1]["params"], reference("acco", optimizer="Adam", clip=0.05)["params"])
-    assert results[2]["stats"]["optimizer_update"] == "generic"
+    assert results[2]["stats"]["optimizer_update"] == "generic Peek"
     assert_matches(results[2]["params"], reference("acco", optimizer="SGD")["params"])
     assert_matches(results[3]["params"], reference("dpu", clip=0.05)["params"])
     assert results[0]["stats"]["kernels"] == "native-cpu" and results[4]["stats"]["kernels"] == "torch"

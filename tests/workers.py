@@ -127,8 +127,22 @@ def run(spec, rank, world):
             record()
             out["applied"].append(engine.was_step_applied())
             engine.zero_grad()
+            if spec.get("inspect"):  # what a user reads at an iteration boundary
+                seen = {"state_dict": torch.cat([t.detach().float().reshape(-1)
+                                                 for t in engine.module.state_dict().values()]).clone(),
+                        "global_steps": engine.global_steps}
+                engine.eval()
+                seen["eval"] = flat(engine.module)
+                engine.train()
+                seen["compute"] = flat(engine.module)
+                seen["global_steps_after"] = engine.global_steps
+                out.setdefault("inspect", []).append(seen)
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
+        out["saved_global_steps"] = engine.global_steps
+    if spec.get("finalize"):
+        out["finalize_committed"] = engine.acco_finalize()
+        out["final_params"] = flat(engine.module)
     if drive == "megatron":
         try:
             engine.set_train_batch_size(2 * gbs)  # batch-size ramp-up is not supported
@@ -140,6 +154,9 @@ def run(spec, rank, world):
         stats = engine.acco_stats()
         out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}
         out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.history]
+        out["buffer_bytes"] = engine.optimizer.buffer_bytes()
+        out["group_numels"] = [f.numel() for f in engine.optimizer.bit16_groups_flat]
+        out["optimizer_class"] = type(engine.optimizer).__name__
     out["lr"] = engine.get_lr()
     out["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
     engine.destroy()

@@ -1,0 +1,132 @@
+"""The flat buffers ACCO adds to ZeRO-1, and their memory plan.
+
+Stock ZeRO-1 holds, per rank, the model parameters (``bit16_groups_flat``,
+bN bytes for N parameters of b bytes), their gradients (``param.grad``, in
+the gradient accumulation dtype) and a 1/W shard of the fp32 master weights
+and optimizer state. ACCO needs, at the same time during a round:
+
+* the compute parameters (ZeRO-1's own flat buffer, not counted here);
+* an accumulator for this round's gradients (replaces ``param.grad``: each
+  parameter's gradient is added into it by a post-accumulate-grad hook and
+  freed at once, so no full set of autograd gradients lives beside it);
+* the previous round's gradients being reduce-scattered, and then the
+  all-gathered next parameters. These share one *communication buffer*:
+  the reduce-scatter reads it, and only afterwards the all-gather writes
+  the new parameters over it (the authors' in-place trick).
+
+When a round ends the gathered parameters are copied into the compute
+parameters, and the accumulator's gradients move to the communication side:
+by swapping the two buffers' roles when the accumulator already has the
+communication dtype, else by a cast into the communication buffer. Either
+way the accumulator starts the next round zeroed.
+
+Per parameter group of ``numel`` elements (padded like ZeRO-1) and
+``partition`` = numel / W elements per rank:
+
+    accumulator     numel x size(grad_accum_dtype)
+    communication   numel x max(size(communication_data_type), size(model dtype))
+    reduced         partition x size(communication_data_type)   reduce-scatter output
+                    (none for fp32: the reduce-scatter writes the shard directly)
+    shard           partition x 4                                 fp32 gradient for the update
+    kept            partition x size(communication_data_type)     the estimate round's reduced
+                                                                  gradient, kept for the real round
+
+Stock ZeRO-1 has an fp32 gradient partition (4N/W) where ACCO has ``shard``.
+So with the model dtype used for accumulation and communication (DeepSpeed's
+defaults) ACCO adds one model-sized buffer (bN) plus 4N/W to ZeRO-1, and
+``grad_accum_dtype="fp32"`` on a 16-bit model adds 4N + 4N/W.
+"""
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
+               comm_dtype: torch.dtype) -> Dict[str, int]:
+    """Bytes of each buffer ``FlatBuffers`` allocates for one group (the
+    memory plan; ``acco_ds.memory`` and the tests use the same function)."""
+    return {
+        "accumulator": numel * _size(accum_dtype),
+        "communication": numel * max(_size(comm_dtype), _size(model_dtype)),
+        "reduced": 0 if comm_dtype == torch.float32 else partition * _size(comm_dtype),
+        "shards": partition * (4 + _size(comm_dtype)),
+    }
+
+
+@dataclass
+class FlatBuffers:
+    """ACCO's buffers for one ZeRO-1 parameter group (see the module docstring)."""
+
+    numel: int
+    partition: int
+    world_size: int
+    model_dtype: torch.dtype
+    accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self):
+        if self.numel != self.partition * self.world_size:
+            raise ValueError(f"flat buffer of {self.numel} elements does not split into {self.world_size} "
+                             f"partitions of {self.partition}")
+        zeros = lambda n, dtype: torch.zeros(n, dtype=dtype, device=self.device)  # noqa: E731
+        self.acc = zeros(self.numel, self.accum_dtype)
+        # The communication buffer holds numel elements of the wider of the two dtypes it is read as.
+        wide = self.comm_dtype if _size(self.comm_dtype) >= _size(self.model_dtype) else self.model_dtype
+        self.comm = zeros(self.numel, wide)
+        self._reduced = None if self.comm_dtype == torch.float32 else zeros(self.partition, self.comm_dtype)
+        self.shard = zeros(self.partition, torch.float32)
+        self.kept = zeros(self.partition, self.comm_dtype)
+        self.kept_scale = 1.0  # what ``kept`` is multiplied by to give the fp32 gradient sum
+        self.swap_roles = self.accum_dtype == self.comm_dtype == self.comm.dtype
+
+    @staticmethod
+    def _as(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of ``buf`` reinterpreted as ``dtype``."""
+        if buf.dtype == dtype:
+            return buf[:numel]
+        return buf.view(torch.uint8)[:numel * _size(dtype)].view(dtype)
+
+    @property
+    def reduced(self) -> torch.Tensor:
+        """Reduce-scatter output (this rank's summed partition), communication dtype."""
+        return self.shard if self._reduced is None else self._reduced
+
+    @property
+    def send(self) -> torch.Tensor:
+        """Reduce-scatter input: the previous round's gradients, communication dtype."""
+        return self._as(self.comm, self.comm_dtype, self.numel)
+
+    @property
+    def gathered(self) -> torch.Tensor:
+        """All-gather output: the next parameters, model dtype (same storage as ``send``)."""
+        return self._as(self.comm, self.model_dtype, self.numel)
+
+    def gathered_part(self, rank: int) -> torch.Tensor:
+        return self.gathered.narrow(0, rank * self.partition, self.partition)
+
+    def hand_over(self) -> None:
+        """Move the accumulated gradients to the communication side and zero
+        the accumulator for the next round. Call after the gathered
+        parameters were installed (this overwrites them)."""
+        if self.swap_roles:
+            self.acc, self.comm = self.comm, self.acc
+        else:
+            self.send.copy_(self.acc)
+        self.acc.zero_()
+
+    def nbytes(self) -> Dict[str, int]:
+        """Bytes actually allocated, in ``plan_bytes``' terms."""
+        b = lambda t: t.numel() * t.element_size()  # noqa: E731
+        return {"accumulator": b(self.acc), "communication": b(self.comm),
+                "reduced": 0 if self._reduced is None else b(self._reduced),
+                "shards": b(self.shard) + b(self.kept)}
+
+
+__all__ = ["FlatBuffers", "plan_bytes"]

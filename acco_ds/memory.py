@@ -1,0 +1,117 @@
+"""Model-state memory per rank: stock DeepSpeed ZeRO-1 against ACCO.
+
+In the spirit of DeepSpeed's ``estimate_zero2_model_states_mem_needs_all_live``::
+
+    import acco_ds
+    acco_ds.estimate_memory(params=7e9, gpus=8, dtype="bf16")
+    acco_ds.estimate_memory(model, gpus=8, dtype="bf16", grad_accum_dtype="fp32")
+
+or from a shell: ``acco-ds memory --params 7e9 --gpus 8 --dtype bf16``.
+
+Per rank, N parameters, W ranks, b/a/c bytes per element of the model,
+gradient-accumulation and communication dtypes, Adam:
+
+    stock ZeRO-1   bN weights + aN gradients + 16N/W (fp32 master, m, v, fp32 gradient partition)
+    ACCO           bN weights + aN accumulator + max(c, b)N communication buffer
+                   + 12N/W (fp32 master, m, v) + 8N/W (two fp32 gradient shards)
+                   + cN/W (reduce-scatter output, only when c is not fp32)
+
+The ACCO buffer terms come from ``buffers.plan_bytes``, the same function
+the engine allocates by, and the tests check the two against each other.
+Activations, temporary buffers and the framework's own memory come on top.
+"""
+
+import argparse
+from typing import Optional, Union
+
+import torch
+
+from .buffers import plan_bytes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def padded_numel(n: int, world_size: int) -> int:
+    """ZeRO-1 pads each flat group so it splits into equal, aligned partitions."""
+    align = 2 * world_size
+    return -(-int(n) // align) * align
+
+
+def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtype=None,
+                      communication_data_type=None) -> int:
+    """Bytes ACCO allocates for one flat group of ``numel`` (padded) elements."""
+    model = _dtype(dtype)
+    accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model
+    comm = _dtype(communication_data_type) if communication_data_type is not None else model
+    return sum(plan_bytes(numel, numel // world_size, model, accum, comm).values())
+
+
+def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
+                    dtype="bf16", grad_accum_dtype=None, communication_data_type=None, budget_gb: float = 80.0,
+                    verbose: bool = True) -> dict:
+    """Model-state bytes per rank for stock ZeRO-1 and ACCO.
+
+    Args:
+        model: a module (its trainable parameters are counted), or
+        params: a parameter count.
+        gpus: data-parallel world size W.
+        dtype: model dtype (``fp32``, ``bf16``, ``fp16``): DeepSpeed's ``bf16``/``fp16`` blocks.
+        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (default: the model dtype).
+        communication_data_type: DeepSpeed's ``communication_data_type`` (default: the model dtype).
+        budget_gb: printed beside the figures (fits / does not fit).
+
+    Returns a dict with ``stock_bytes``, ``acco_bytes``, ``extra_bytes`` and the inputs.
+    """
+    if (model is None) == (params is None):
+        raise ValueError("estimate_memory needs exactly one of model= or params=")
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else int(params)
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    model_dt = _dtype(dtype)
+    accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model_dt
+    b, a = _size(model_dt), _size(accum)
+    padded = padded_numel(n, gpus)
+    shards = 12 * padded // gpus  # fp32 master, Adam m and v
+    stock = b * padded + a * padded + shards + 4 * padded // gpus
+    acco = b * padded + shards + acco_buffer_bytes(padded, gpus, model_dt, accum, communication_data_type)
+    out = {"params": n, "gpus": gpus, "dtype": str(dtype), "grad_accum_dtype": str(grad_accum_dtype or dtype),
+           "communication_data_type": str(communication_data_type or dtype), "stock_bytes": stock,
+           "acco_bytes": acco, "extra_bytes": acco - stock}
+    if verbose:
+        fits = lambda x: "fits" if x <= budget_gb * 1e9 else "does not fit"  # noqa: E731
+        print(f"Model states per rank, {n / 1e9:.2f}B params, {gpus} ranks, model {dtype}, grad accumulation "
+              f"{out['grad_accum_dtype']}, communication {out['communication_data_type']}, Adam:")
+        print(f"  stock ZeRO-1 : {stock / 1e9:8.2f} GB  ({fits(stock)} in {budget_gb:g} GB)")
+        print(f"  ACCO         : {acco / 1e9:8.2f} GB  ({fits(acco)} in {budget_gb:g} GB), "
+              f"+{(acco - stock) / 1e9:.2f} GB = {(acco - stock) / (b * n):.2f} x the model ({b}N bytes)")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="acco-ds memory", description="Model-state memory per rank: stock ZeRO-1 vs "
+                                "ACCO (Adam). Activations come on top.")
+    p.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7e9")
+    p.add_argument("--gpus", type=int, default=8, help="data-parallel ranks")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--grad-accum-dtype", choices=list(DTYPES), default=None)
+    p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
+    p.add_argument("--budget-gb", type=float, default=80.0)
+    args = p.parse_args(argv)
+    estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
+                    communication_data_type=args.communication_data_type, budget_gb=args.budget_gb)
+    return 0
+
+
+__all__ = ["estimate_memory", "acco_buffer_bytes", "padded_numel"]

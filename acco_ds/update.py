@@ -1,0 +1,101 @@
+"""The optimizer update of one rank's shard: ``Peek`` (estimate) or commit.
+
+``Opt(θ, g)`` advances the optimizer (moments, step count, master weights);
+``Peek(θ, g)`` computes the same update with the same step index and learning
+rate and changes nothing. Both write the new parameters, cast to the model
+dtype, straight into this rank's part of the all-gather buffer.
+
+Adam and AdamW (torch's, or DeepSpeed's FusedAdam) use the fused kernel
+(``acco_ds.ops.adamw_update``): a Peek reads the state and writes only the
+output, no clone. Any other torch optimizer gets the generic Peek: snapshot
+the shard and its state, step, restore.
+"""
+
+import copy
+from typing import List, Optional
+
+import torch
+
+
+def fast_adam_kind(opt) -> Optional[str]:
+    """'torch' / 'fused' when the fused update can replace ``opt.step()``, else None."""
+    groups = opt.param_groups
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        for g in groups:
+            if g.get("amsgrad") or g.get("maximize") or g.get("differentiable") or g.get("capturable"):
+                return None
+            if torch.is_tensor(g["lr"]) or any(torch.is_tensor(b) for b in g["betas"]):
+                return None
+        return "torch"
+    try:
+        from deepspeed.ops.adam import FusedAdam
+    except Exception:  # noqa: BLE001 - optional op
+        FusedAdam = None
+    if FusedAdam is not None and type(opt) is FusedAdam and all(g.get("bias_correction", True) for g in groups):
+        return "fused"
+    return None
+
+
+class ShardUpdate:
+    """Runs Peek/commit on the fp32 master shards of a ZeRO-1 optimizer.
+
+    Args:
+        optimizer: the wrapped torch optimizer; its param groups hold the fp32
+            master shards (``masters``), one per group.
+        masters: ``single_partition_of_fp32_groups`` of ZeRO-1.
+        kernels: ``acco_ds.ops.Kernels`` (native or torch).
+    """
+
+    def __init__(self, optimizer, masters: List[torch.Tensor], kernels):
+        self.optimizer, self.masters, self.kernels = optimizer, masters, kernels
+        self.adam = fast_adam_kind(optimizer)
+
+    @property
+    def name(self) -> str:
+        return f"fused Adam ({self.adam})" if self.adam else "generic Peek"
+
+    def __call__(self, grads: List[torch.Tensor], grad_scale: float, commit: bool, outs: List[torch.Tensor]) -> None:
+        """Update from gradient sums ``grads`` (times ``grad_scale``) into ``outs``;
+        ``commit=False`` leaves master weights and optimizer state untouched."""
+        if self.adam is not None:
+            for i, master in enumerate(self.masters):
+                self._fused_adam(i, master, grads[i], grad_scale, commit, outs[i])
+            return
+        if not commit:
+            saved = [(m.detach().clone(), copy.deepcopy(self.optimizer.state.get(m))) for m in self.masters]
+        for m, g in zip(self.masters, grads):
+            m.grad = g * grad_scale
+        self.optimizer.step()
+        for m, out in zip(self.masters, outs):
+            m.grad = None
+            out.copy_(m)
+        if not commit:
+            for m, (value, state) in zip(self.masters, saved):
+                m.data.copy_(value)
+                if state is None:
+                    self.optimizer.state.pop(m, None)
+                else:
+                    self.optimizer.state[m] = state
+
+    def _fused_adam(self, i, master, grad, grad_scale, commit, out):
+        group = self.optimizer.param_groups[i]
+        state = self.optimizer.state[master]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0) if self.adam == "torch" else 0
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        if self.adam == "torch":
+            adamw = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
+        else:
+            adamw = bool(self.optimizer.adam_w_mode)
+        beta1, beta2 = group["betas"]
+        self.kernels.adamw_update(master, grad, state["exp_avg"], state["exp_avg_sq"], out,
+                                  step=int(state["step"]) + 1, lr=float(group["lr"]), beta1=float(beta1),
+                                  beta2=float(beta2), eps=float(group["eps"]),
+                                  weight_decay=float(group["weight_decay"]), grad_scale=grad_scale, commit=commit,
+                                  adamw=adamw)
+        if commit:
+            state["step"] = state["step"] + 1
+
+
+__all__ = ["ShardUpdate", "fast_adam_kind"]
