@@ -105,6 +105,11 @@ def patch() -> None:
         initialize_with_acco.__wrapped__ = _original_initialize
         initialize_with_acco._acco_patch = True
         deepspeed.initialize = initialize_with_acco
+        try:  # DeepSpeed's own CPU op build must not hang a start either
+            from .ops.builder import guard_deepspeed_shm_op
+            guard_deepspeed_shm_op()
+        except Exception:  # noqa: BLE001 - a DeepSpeed without that op: nothing to guard
+            pass
 
 
 def unpatch() -> None:
@@ -122,4 +127,10 @@ def is_patched() -> bool:
     return _original_initialize is not None
 
 
-__all__ = ["initialize", "patch", "unpatch", "is_patched", "acco_enabled", "__version__"]
+def estimate_memory(*args, **kwargs) -> dict:
+    """Model-state bytes per rank, stock ZeRO-1 vs ACCO: see ``acco_ds.memory.estimate_memory``."""
+    from .memory import estimate_memory as estimate
+    return estimate(*args, **kwargs)
+
+
+__all__ = ["initialize", "patch", "unpatch", "is_patched", "acco_enabled", "estimate_memory", "__version__"]

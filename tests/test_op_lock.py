@@ -5,6 +5,7 @@ Every test uses a private ``TORCH_EXTENSIONS_DIR`` and replaces the real build
 does, so the tests take seconds and compile nothing.
 """
 
+import importlib
 import logging
 import os
 import socket
@@ -235,3 +236,37 @@ def test_concurrent_loaders_build_once(env, tmp_path):
     with open(os.path.join(env.lock.build_dir, "built")) as f:
         assert len(f.read().split()) == 1  # built once
     assert not env.lock.held()
+
+
+@pytest.mark.timeout(60)
+def test_deepspeeds_own_cpu_op_build_cannot_hang_either(tmp_path, monkeypatch, caplog):
+    """DeepSpeed JIT-builds its shared-memory op in every CPU process (``build_shm_op``): after
+    ``acco_ds.patch()`` a stale lock there is cleared, and a live one is waited for a bounded time,
+    after which DeepSpeed goes on without the op (one warning) instead of hanging."""
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # not deepspeed.comm.torch: that name is torch
+    from deepspeed.accelerator import get_accelerator
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "0.5")
+    calls = []
+    monkeypatch.setattr(ds_torch, "build_shm_op", lambda: calls.append("built") or "op")
+    builder_mod.guard_deepspeed_shm_op()
+    builder_mod.guard_deepspeed_shm_op()  # idempotent
+    assert ds_torch.build_shm_op.__wrapped__.__name__ == "<lambda>"
+    name = get_accelerator().create_op_builder("ShareMemCommBuilder").name
+    lock = builder_mod.JitBuildLock.for_op(name)
+    os.makedirs(lock.build_dir, exist_ok=True)
+    # Stale: the owner is gone.
+    open(lock.lock_path, "w").close()
+    open(lock.owner_path, "w").write(f"{dead_pid()} {socket.gethostname()}\n")
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        assert ds_torch.build_shm_op() == "op" and calls == ["built"]
+    assert not os.path.exists(lock.lock_path) and "stale JIT build lock" in caplog.text
+    # Live: a build by this very process is "in progress"; bounded, then None.
+    caplog.clear()
+    open(lock.lock_path, "w").close()
+    lock.record_owner()
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        start = time.monotonic()
+        assert ds_torch.build_shm_op() is None and calls == ["built"]
+    assert time.monotonic() - start < 10
+    assert "runs without it" in caplog.text and lock.lock_path in caplog.text

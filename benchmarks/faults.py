@@ -1,0 +1,781 @@
+"""Fault drill: what a user of acco_ds sees when things break, and whether a
+checkpoint gets them back. 2 CPU ranks (gloo, ``DS_ACCELERATOR=cpu``), each
+rank a process of ``benchmarks/fault_worker.py`` (tiny MLP, AdamW, ZeRO-1,
+``gradient_accumulation_steps`` 2, checkpoints every K steps).
+
+    python benchmarks/faults.py                       # every scenario
+    python benchmarks/faults.py --only kill_rank,stop_rank
+    python benchmarks/faults.py --list
+    python benchmarks/faults.py --cleanup             # namespaces / mounts left by a SIGKILLed drill
+
+Every scenario has a hard time limit: on expiry every process it started is
+killed and its row says TIMEOUT. Namespaces and tmpfs mounts are always
+removed (errors, Ctrl-C, SIGTERM). Results: a markdown table on stdout and in
+benchmarks/results/faults.md, details (full messages, logs' tails) in
+benchmarks/results/faults.json.
+
+tests/test_faults.py imports this file by path and runs the fast scenarios.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "benchmarks" / "fault_worker.py"
+RESULTS = ROOT / "benchmarks" / "results"
+NETNS = ["acco_fd0", "acco_fd1"]
+VETH = ["acco_fdv0", "acco_fdv1"]
+ADDRS = ["10.78.0.1", "10.78.0.2"]
+MOUNT_PREFIX = "acco_fault_tmpfs_"
+
+
+class ScenarioTimeout(Exception):
+    pass
+
+
+# ------------------------------------------------------------------ processes
+_LIVE = []  # every RankSet started and not yet reaped: killed on timeout, error, Ctrl-C, SIGTERM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deadline:
+
+    def __init__(self, seconds):
+        self.end = time.monotonic() + seconds
+        self.seconds = seconds
+
+    def left(self):
+        return self.end - time.monotonic()
+
+    def check(self):
+        if self.left() <= 0:
+            raise ScenarioTimeout(f"scenario exceeded its {self.seconds:.0f} s limit")
+
+
+class RankSet:
+    """``world`` processes of fault_worker.py with one spec, each in its own session
+    (process group), so a kill takes its compiler children with it."""
+
+    def __init__(self, spec, workdir, name, world=2, deadline=None, env=None, netns=False, port=None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.name, self.world, self.deadline = name, world, deadline
+        self.outdir = self.workdir / name
+        self.outdir.mkdir(exist_ok=True)
+        spec_path = self.outdir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        base = dict(os.environ)
+        base.update(DS_ACCELERATOR="cpu", WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                    MASTER_ADDR=ADDRS[0] if netns else "127.0.0.1", MASTER_PORT=str(port or free_port()),
+                    PYTHONPATH=os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        base.update(env or {})
+        self.procs, self.logs, self.exit_time = [], [], [None] * world
+        for r in range(world):
+            log = open(self.outdir / f"rank{r}.log", "w")
+            self.logs.append(log)
+            cmd = [sys.executable, str(WORKER), str(spec_path), str(self.outdir)]
+            renv = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            if netns:
+                cmd = ["ip", "netns", "exec", NETNS[r]] + cmd  # exec's the command: the pid is python's
+                renv["GLOO_SOCKET_IFNAME"] = VETH[r]
+            self.procs.append(subprocess.Popen(cmd, env=renv, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True, cwd=str(ROOT)))
+        self.start = time.monotonic()
+        _LIVE.append(self)
+
+    # -- observation
+    def log(self, r):
+        try:
+            return (self.outdir / f"rank{r}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def poll(self):
+        now = time.monotonic()
+        for r, p in enumerate(self.procs):
+            if self.exit_time[r] is None and p.poll() is not None:
+                self.exit_time[r] = now
+        return [p.returncode for p in self.procs]
+
+    def _tick(self, until):
+        self.poll()
+        if self.deadline is not None:
+            self.deadline.check()
+        if until is not None and time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+        return True
+
+    def wait_for(self, pattern, rank=0, timeout=120.0):
+        """Wait until rank's log matches ``pattern``; returns the match or raises."""
+        until = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while True:
+            m = rx.search(self.log(rank))
+            if m:
+                return m
+            if self.procs[rank].poll() is not None:
+                m = rx.search(self.log(rank))
+                if m:
+                    return m
+                raise RuntimeError(f"{self.name}: rank {rank} exited ({self.procs[rank].returncode}) before "
+                                   f"{pattern!r}:\n{self.log(rank)[-3000:]}")
+            if not self._tick(until):
+                raise RuntimeError(f"{self.name}: no {pattern!r} on rank {rank} within {timeout:.0f} s:\n"
+                                   f"{self.log(rank)[-3000:]}")
+
+    def wait(self, timeout=120.0, ranks=None):
+        """Wait for ``ranks`` (default all) to exit; returns exit codes, or None for ranks still running."""
+        until = time.monotonic() + timeout
+        ranks = range(self.world) if ranks is None else ranks
+        while any(self.procs[r].poll() is None for r in ranks):
+            if not self._tick(until):
+                break
+        self.poll()
+        return [p.returncode for p in self.procs]
+
+    # -- faults
+    def signal(self, rank, sig):
+        try:
+            os.killpg(self.procs[rank].pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_all(self):
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.signal(r, signal.SIGCONT)
+                self.signal(r, signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.close()
+
+    def close(self):
+        for log in self.logs:
+            log.close()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def finish(self, timeout=120.0):
+        """Wait for a run expected to succeed; returns per-rank results or raises with the logs."""
+        codes = self.wait(timeout)
+        if any(c is None for c in codes):
+            self.kill_all()
+            raise RuntimeError(f"{self.name}: ranks still running after {timeout:.0f} s:\n{self.tails()}")
+        self.close()
+        if any(codes):
+            raise RuntimeError(f"{self.name}: exit codes {codes}:\n{self.tails()}")
+        import torch
+        return [torch.load(self.outdir / f"result{r}.pt", weights_only=False) for r in range(self.world)]
+
+    def texts(self):
+        return [self.log(r) for r in range(self.world)]
+
+    def tails(self, n=2500):
+        return "\n".join(f"--- {self.name} rank {r} ---\n{self.log(r)[-n:]}" for r in range(self.world))
+
+
+def kill_everything():
+    for rs in list(_LIVE):
+        rs.kill_all()
+
+
+# ------------------------------------------------------------------ messages
+_EXC = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception|Timeout|Interrupt|Full)\b[^\n]*)$", re.M)
+
+
+def error_line(text):
+    """The exception line the user reads at the bottom of the traceback (shortened), or None."""
+    hits = _EXC.findall(text)
+    return hits[-1].strip() if hits else None
+
+
+_SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing")
+
+
+def user_error(texts):
+    """The error a user reads first: the first rank's own error (not a "peer closed the connection"
+    error caused by another rank's failure) if any, else the first rank's error; (rank, line) or (None, None)."""
+    lines = [(r, error_line(t)) for r, t in enumerate(texts)]
+    lines = [(r, m) for r, m in lines if m]
+    for r, m in lines:
+        if not _SECONDARY.search(m):
+            return r, m
+    return lines[0] if lines else (None, None)
+
+
+def _all_errors(text):
+    return [h.strip() for h in _EXC.findall(text)]
+
+
+def first_line(text, pattern):
+    m = re.search(pattern, text, re.M)
+    return m.group(0).strip() if m else None
+
+
+def short(s, n=170):
+    if s is None:
+        return "-"
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[:n - 1] + "…"
+
+
+def judge(msg, problem_words, fix_words):
+    """Does ``msg`` name the problem (any of problem_words) and a fix (any of fix_words)? Case-insensitive."""
+    low = (msg or "").lower()
+    problem = any(w.lower() in low for w in problem_words)
+    fix = any(w.lower() in low for w in fix_words)
+    return f"problem: {'yes' if problem else 'no'}; fix: {'yes' if fix else 'no'}"
+
+
+def equal_params(a, b):
+    import torch
+    return all(torch.equal(x["params"], y["params"]) for x, y in zip(a, b))
+
+
+def row(fault, seen, seconds, resumes, clear, **details):
+    return {"fault": fault, "seen": seen, "seconds": seconds, "resumes": resumes, "clear": clear, **details}
+
+
+# ------------------------------------------------------------------ scenarios
+# Each takes (workdir, deadline, opts) and returns a list of rows. Shared
+# runs are recomputed inside each scenario so that any subset can run alone.
+
+SAVE_EVERY = 4
+STEPS = 16
+
+
+def _train_spec(save_dir, **kw):
+    spec = {"steps": STEPS, "save_dir": str(save_dir), "save_every": SAVE_EVERY}
+    spec.update(kw)
+    return spec
+
+
+def reference_run(workdir, deadline, steps=STEPS, **kw):
+    """An uninterrupted run (with the same checkpoints) to compare against."""
+    rs = RankSet(_train_spec(Path(workdir) / "ref_ckpt", steps=steps, **kw), workdir, "reference",
+                 deadline=deadline)
+    return rs.finish(timeout=deadline.left())
+
+
+def scenario_jit_kill(workdir, deadline, opts):
+    """SIGKILL of both ranks' process groups while ninja/the compiler runs, then a restart."""
+    ext = Path(workdir) / "torch_extensions"
+    env = {"TORCH_EXTENSIONS_DIR": str(ext), "ACCO_FAULT_NO_AOT": "1", "ACCO_JIT_WAIT_S": "600"}
+    spec = {"kernels": "native", "stop_after_start": True}
+    first = RankSet(spec, workdir, "jit_first", deadline=deadline, env=env)
+    lock = None
+    until = time.monotonic() + min(180, deadline.left())
+    while time.monotonic() < until:
+        locks = list(ext.glob("*/acco_cpu_ops/lock")) + list(ext.glob("acco_cpu_ops/lock"))
+        compiling = _compiler_running(first)
+        if locks and compiling:
+            lock = locks[0]
+            break
+        if all(c is not None for c in first.poll()):
+            break
+        time.sleep(0.05)
+    if lock is None:
+        first.kill_all()
+        return [row("SIGKILL during the JIT build, then restart", "could not catch the build (no lock file "
+                    "while the compiler ran)", "n/a", "n.a.", "-", logs=first.tails())]
+    time.sleep(1.0)  # well inside the compile (it takes tens of seconds)
+    for r in range(2):
+        first.signal(r, signal.SIGKILL)
+    first.wait(timeout=10)
+    first.close()
+    left_behind = lock.exists()
+    t0 = time.monotonic()
+    second = RankSet(spec, workdir, "jit_restart", deadline=deadline, env=env)
+    codes = second.wait(timeout=deadline.left())
+    took = time.monotonic() - t0
+    logs = second.log(0) + second.log(1)
+    warn = first_line(logs, r".*stale JIT build lock.*")
+    ok = codes == [0, 0] and "FAULTDRILL STARTED" in second.log(0)
+    second.close()
+    seen = (warn or "(no warning)") if ok else (error_line(logs) or "failed")
+    return [row("SIGKILL during the JIT build (kernels native, cold cache), then restart",
+                f"restart: {short(warn, 150) if warn else 'no warning'}; both ranks start (op rebuilt)" if ok else
+                short(seen), f"restart ok in {took:.1f}" if ok else "n/a", "n.a.",
+                judge(warn, ["stale JIT build lock"], ["built again"]) if warn else "-",
+                lock_left_behind=left_behind, restart_codes=codes, restart_seconds=took, warning=warn,
+                logs=second.tails() if not ok else None)]
+
+
+def _compiler_running(rs):
+    """Is a compiler (ninja/c++) a descendant of one of the ranks?"""
+    pgids = {p.pid for p in rs.procs}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            pgid = int(stat.rsplit(")", 1)[1].split()[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgid in pgids and comm in ("ninja", "c++", "g++", "cc1plus", "gcc", "x86_64-linux-gnu-g++"):
+            return True
+    return False
+
+
+def _kill_mid_round(workdir, deadline, name, fault_label, sig, opts, extra_spec=None, netns=False,
+                    inject=None, after_kill=None):
+    """Train with checkpoints, inject a fault after the checkpoint at step SAVE_EVERY, measure how long
+    until every rank has exited with an error."""
+    spec = _train_spec(Path(workdir) / f"{name}_ckpt", micro_sleep=0.05, **(extra_spec or {}))
+    rs = RankSet(spec, workdir, name, deadline=deadline, netns=netns)
+    rs.wait_for(rf"FAULTDRILL SAVED rank=1 step={SAVE_EVERY}\b", rank=1, timeout=min(120, deadline.left()))
+    rs.wait_for(rf"FAULTDRILL STEP rank=1 step={SAVE_EVERY + 1}\b", rank=1, timeout=min(60, deadline.left()))
+    time.sleep(0.03)  # inside the next round's compute, its communication in flight
+    t0 = time.monotonic()
+    if inject is not None:
+        inject(rs)
+    else:
+        rs.signal(1, sig)
+    watch = [0] if sig == signal.SIGSTOP else [0, 1]
+    codes = rs.wait(timeout=deadline.left() - 15, ranks=watch)
+    times = [None if rs.exit_time[r] is None else rs.exit_time[r] - t0 for r in range(2)]
+    if after_kill is not None:
+        after_kill(rs)
+    survivors_codes = [codes[r] for r in watch]
+    all_exited = all(c is not None for c in survivors_codes)
+    all_error = all_exited and all(c != 0 for c in survivors_codes)
+    seconds = max(times[r] for r in watch) if all_exited else None
+    rank, msg = user_error([rs.log(r) for r in watch])
+    tails = rs.tails()
+    rs.kill_all()
+    return {"codes": codes, "times": times, "all_error": all_error, "seconds": seconds, "msg": msg,
+            "messages": [error_line(rs.log(r)) for r in range(2)],
+            "log0": rs.log(0), "tails": tails, "spec": spec}
+
+
+def _resume(workdir, deadline, name, ref, extra_spec=None):
+    """Relaunch both ranks with load_checkpoint, train to STEPS, compare with the uninterrupted run."""
+    spec = _train_spec(Path(workdir) / f"{name}_ckpt", load=True, **(extra_spec or {}))
+    rs = RankSet(spec, workdir, f"{name}_resume", deadline=deadline)
+    res = rs.finish(timeout=deadline.left())
+    loaded = first_line(rs.log(0), r"FAULTDRILL LOADED.*")
+    return equal_params(res, ref), loaded
+
+
+def scenario_kill_rank(workdir, deadline, opts):
+    ref = reference_run(workdir, deadline)
+    out = _kill_mid_round(workdir, deadline, "kill", "SIGKILL", signal.SIGKILL, opts)
+    exact, loaded = _resume(workdir, deadline, "kill", ref)
+    return [row("SIGKILL of rank 1 mid-round (step 5, checkpoint at step 4)", short(out["msg"]),
+                f"{out['seconds']:.1f}" if out["all_error"] else "n/a (a rank did not exit with an error)",
+                "yes" if exact else "no", judge(out["msg"], ["closed", "peer", "reset", "rank"], ["relaunch",
+                                                                                                  "checkpoint"]),
+                codes=out["codes"], exit_seconds=out["times"], message=out["msg"], loaded=loaded,
+                bit_exact=exact, logs=out["tails"] if not out["all_error"] else None)]
+
+
+def scenario_stop_rank(workdir, deadline, opts):
+    timeout_s = opts.get("stop_timeout_s", 20)
+    out = _kill_mid_round(workdir, deadline, "stop", "SIGSTOP", signal.SIGSTOP, opts,
+                          extra_spec={"timeout_s": timeout_s, "pg_timeout": timeout_s},
+                          after_kill=lambda rs: (rs.signal(1, signal.SIGKILL), rs.signal(1, signal.SIGCONT)))
+    ok = out["all_error"]
+    return [row(f'SIGSTOP of rank 1 (hang), "timeout_s": {timeout_s}, init_distributed timeout {timeout_s} s',
+                short(out["msg"]), f"{out['seconds']:.1f} (rank 0; rank 1 then SIGKILLed)" if ok else
+                "n/a (rank 0 did not exit with an error)", "n.a.",
+                judge(out["msg"], ["timeout", "timed out", "timedout"], ["timeout_s", "relaunch"]),
+                codes=out["codes"], exit_seconds=out["times"], message=out["msg"], timeout_s=timeout_s,
+                bit_exact=None, logs=out["tails"] if not ok else None)]
+
+
+def netns_unavailable():
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    return None
+
+
+def netns_up():
+    netns_down()
+    try:
+        for ns in NETNS:
+            _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", VETH[0], "netns", NETNS[0], "type", "veth", "peer", "name", VETH[1], "netns",
+            NETNS[1])
+        for r in range(2):
+            _sh("ip", "-n", NETNS[r], "addr", "add", f"{ADDRS[r]}/24", "dev", VETH[r])
+            _sh("ip", "-n", NETNS[r], "link", "set", VETH[r], "up")
+            _sh("ip", "-n", NETNS[r], "link", "set", "lo", "up")
+    except BaseException:
+        netns_down()
+        raise
+
+
+def netns_down():
+    existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in NETNS:
+        if ns not in existing:
+            continue
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _sh(*cmd):
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def scenario_link_down(workdir, deadline, opts):
+    why = netns_unavailable()
+    if why:
+        return [row("link cut mid-round (veth down)", f"skipped: {why}", "n/a", "n.a.", "-")]
+    timeout_s = opts.get("link_timeout_s", 20)
+    netns_up()
+    try:
+        out = _kill_mid_round(
+            workdir, deadline, "link", "link down", None, opts, netns=True,
+            extra_spec={"timeout_s": timeout_s, "pg_timeout": timeout_s},
+            inject=lambda rs: _sh("ip", "-n", NETNS[0], "link", "set", VETH[0], "down"))
+    finally:
+        netns_down()
+    msgs = out["messages"]
+    ok = out["all_error"]
+    return [row(f'link cut mid-round (ip link set {VETH[0]} down), "timeout_s": {timeout_s}',
+                short(out["msg"]), f"{out['seconds']:.1f}" if ok else
+                f"n/a (exit codes {out['codes']})", "n.a.",
+                judge(out["msg"], ["timeout", "timed out", "connection", "closed", "reset"], ["timeout_s",
+                                                                                               "relaunch"]),
+                codes=out["codes"], exit_seconds=out["times"], messages=msgs, timeout_s=timeout_s,
+                logs=out["tails"] if not ok else None)]
+
+
+def scenario_bad_grads(workdir, deadline, opts):
+    """A NaN (micro 4) and an Inf (micro 9) loss on rank 0, in fp32, bf16 and fp16."""
+    rows = []
+    for dtype in opts.get("dtypes", ["fp32", "bf16", "fp16"]):
+        spec = {"dtype": dtype, "steps": 8, "bad_grads": [[4, "nan"], [9, "inf"]]}
+        rs = RankSet(spec, workdir, f"bad_{dtype}", deadline=deadline)
+        try:
+            res = rs.finish(timeout=deadline.left())
+        except RuntimeError as err:
+            rows.append(row(f"NaN and Inf gradients ({dtype})", short(error_line(str(err)) or "failed"), "n/a",
+                            "n.a.", "-", error=str(err)[-3000:]))
+            continue
+        warns = [re.findall(r"ACCO: non-finite gradients.*", rs.log(r)) for r in range(2)]
+        warn = warns[0][0] if warns[0] else None
+        skipped = [r["skipped_steps"] for r in res]
+        finite = all(r["finite"] for r in res)
+        steps = [r["global_steps"] for r in res]
+        good = all(warns) and all(s >= 2 for s in skipped) and finite and steps == [8, 8]
+        rows.append(row(f"NaN (micro 4) and Inf (micro 9) loss on rank 0, {dtype}",
+                        f"warning on both ranks: {short(warn, 150)}; skipped_steps={skipped[0]}; weights finite: "
+                        f"{'yes' if finite else 'NO'}", "n/a (training continues)", "n.a.",
+                        judge(warn, ["non-finite"], ["learning rate", "loss scale", "gradient_clipping"]),
+                        skipped_steps=skipped, warnings_per_rank=[len(w) for w in warns], finite=finite,
+                        global_steps=steps, ok=good, warning=warn))
+    return rows
+
+
+def _checkpoint(workdir, deadline, name, **kw):
+    """A 2-rank run that saves at step 4 and 8 (acco mode unless kw says otherwise)."""
+    spec = _train_spec(Path(workdir) / f"{name}_ckpt", **{"steps": 8, **kw})
+    rs = RankSet(spec, workdir, name, deadline=deadline)
+    return rs.finish(timeout=deadline.left()), Path(spec["save_dir"])
+
+
+def scenario_disk_full(workdir, deadline, opts):
+    if os.geteuid() != 0:
+        return [row("disk full during save_checkpoint", "skipped: needs root (mount tmpfs)", "n/a", "n.a.", "-")]
+    # Size one checkpoint, then give a tmpfs room for 1.5 of them.
+    _, probe = _checkpoint(workdir, deadline, "probe", steps=4)
+    one = sum(f.stat().st_size for f in (probe / "global_step4").rglob("*") if f.is_file())
+    mnt = Path(tempfile.mkdtemp(prefix=MOUNT_PREFIX))
+    size_kb = max(64, int(one * 1.5 / 1024) + 4)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            return [row("disk full during save_checkpoint", f"skipped: mount tmpfs failed ({short(r.stderr, 80)})",
+                        "n/a", "n.a.", "-")]
+        ckpt = mnt / "ckpt"
+        spec = {"steps": 12, "save_dir": str(ckpt), "save_every": 4}
+        rs = RankSet(spec, workdir, "diskfull", deadline=deadline)
+        # The second save starts right after step 8: time from there (both ranks write their own files).
+        rs.wait_for(r"FAULTDRILL STEP rank=0 step=8\b", rank=0, timeout=min(deadline.left() - 20, 120))
+        t0 = time.monotonic()
+        codes = rs.wait(timeout=min(deadline.left() - 20, 120))
+        took = max((t - t0 for t in rs.exit_time if t is not None), default=None)
+        logs = [rs.log(0), rs.log(1)]
+        tails = rs.tails()
+        rs.kill_all()
+        _, msg = user_error(logs)
+        latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+        tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir()) if ckpt.exists() else []
+        # The previous checkpoint must still load: resume from it and train 2 more steps.
+        loads, load_err = False, None
+        if latest:
+            spec2 = {"steps": 6, "save_dir": str(ckpt), "load": True}
+            rs2 = RankSet(spec2, workdir, "diskfull_load", deadline=deadline)
+            try:
+                res2 = rs2.finish(timeout=deadline.left())
+                loads = all(r["global_steps"] == 6 for r in res2) and \
+                    f"step=4" in (first_line(rs2.log(0), r"FAULTDRILL LOADED.*") or "")
+            except RuntimeError as err:
+                load_err = str(err)[-2000:]
+        all_error = all(c is not None and c != 0 for c in codes)
+        return [row(f"disk full during the 2nd save_checkpoint (tmpfs of {size_kb} KiB, one checkpoint "
+                    f"{one // 1024} KiB)", short(msg), (f"{took:.1f}" if all_error and took is not None else
+                                                        f"n/a (exit codes {codes})"),
+                    f"{'yes' if loads else 'no'} (latest -> {latest}; tags {tags})",
+                    judge(msg, ["No space", "ENOSPC", "disk"], ["free", "space"]), codes=codes, message=msg,
+                    messages=[_all_errors(t) for t in logs],
+                    latest=latest, tags=tags, previous_loads=loads, load_error=load_err, checkpoint_bytes=one,
+                    tmpfs_kb=size_kb, logs=tails if not all_error else None)]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _load_attempt(workdir, deadline, name, src, world=2, **kw):
+    """Load checkpoint dir ``src`` with a run configured by ``kw``; returns (codes, message line, rankset logs)."""
+    spec = {"steps": 10, "save_dir": str(src), "load": True}
+    spec.update(kw)
+    rs = RankSet(spec, workdir, name, world=world, deadline=deadline)
+    codes = rs.wait(timeout=min(deadline.left() - 5, 120))
+    texts = rs.texts()
+    rs.kill_all()
+    results = None
+    if all(c == 0 for c in codes):
+        import torch
+        results = [torch.load(rs.outdir / f"result{r}.pt", weights_only=False) for r in range(world)]
+    return codes, texts, results
+
+
+def scenario_corrupt(workdir, deadline, opts):
+    """Damage one file of the latest checkpoint (step 8), then relaunch with load_checkpoint. A load that
+    succeeds is compared with a resume from the intact checkpoint (to step 10): silently wrong or not."""
+    rows = []
+    _, ckpt = _checkpoint(workdir, deadline, "corrupt_src")
+    codes, _, clean = _load_attempt(workdir, deadline, "load_clean", ckpt)
+    if clean is None:
+        raise RuntimeError(f"resuming from the intact checkpoint failed: exit codes {codes}")
+    cases = [("truncated zero_pp_rank_0_mp_rank_00_optim_states.pt (half of it)", "optim", "truncate"),
+             ("truncated mp_rank_00_model_states.pt (half of it)", "model", "truncate"),
+             ("256 zero bytes in the middle of mp_rank_00_model_states.pt", "model", "garble"),
+             ("256 zero bytes in the middle of zero_pp_rank_0_mp_rank_00_optim_states.pt", "optim", "garble")]
+    for label, which, how in opts.get("corrupt_cases") or cases:
+        dst = Path(workdir) / f"corrupt_{which}_{how}"
+        shutil.copytree(ckpt, dst)
+        tag = (dst / "latest").read_text().strip()
+        f = dst / tag / ("zero_pp_rank_0_mp_rank_00_optim_states.pt" if which == "optim" else
+                         "mp_rank_00_model_states.pt")
+        data = f.read_bytes()
+        if how == "truncate":
+            f.write_bytes(data[:len(data) // 2])
+        else:
+            mid = len(data) // 2
+            f.write_bytes(data[:mid] + bytes(256) + data[mid + 256:])
+        codes, texts, res = _load_attempt(workdir, deadline, f"load_{which}_{how}", dst)
+        rank, msg = user_error(texts)
+        failed = all(c is not None and c != 0 for c in codes)
+        same = None if res is None else equal_params(res, clean)
+        if failed:
+            seen = f"rank {rank}: {short(msg)}"
+        elif res is not None:
+            seen = (f"loads without any message; resumed weights {'equal' if same else 'DIFFER from'} a resume "
+                    f"from the intact checkpoint")
+        else:
+            seen = f"exit codes {codes}: {short(msg)}"
+        rows.append(row(label, seen, "n/a", "n.a.",
+                        judge(msg, [f.name, "corrupt", "truncat", "zip", "archive", "central directory", "EOF"],
+                              ["re-save", "another checkpoint", "earlier", "previous"]) if failed else
+                        "no message", codes=codes, message=msg, message_rank=rank, file=f.name, errored=failed,
+                        loaded_equal_to_clean=same, messages=[error_line(t) for t in texts]))
+    return rows
+
+
+def scenario_mismatch(workdir, deadline, opts):
+    rows = []
+    _, acco_ckpt = _checkpoint(workdir, deadline, "mm_acco")
+    attempts = [
+        ("ACCO checkpoint, 2 ranks -> 1 rank", acco_ckpt, {"world": 1}),
+        ("ACCO checkpoint, mode acco -> dpu", acco_ckpt, {"mode": "dpu"}),
+        ("ACCO checkpoint, gradient_accumulation_steps 2 -> 4", acco_ckpt, {"gas": 4}),
+        ("ACCO checkpoint -> stock DeepSpeed (no acco block)", acco_ckpt, {"acco": False}),
+    ]
+    _, stock_ckpt = _checkpoint(workdir, deadline, "mm_stock", acco=False)
+    attempts.append(("stock DeepSpeed ZeRO-1 checkpoint -> ACCO", stock_ckpt, {}))
+    wanted = opts.get("mismatch_cases")
+    for i, (label, src, kw) in enumerate(attempts):
+        if wanted and i not in wanted:
+            continue
+        kw = dict(kw)
+        world = kw.pop("world", 2)
+        codes, texts, res = _load_attempt(workdir, deadline, f"mm_load{i}", src, world=world, **kw)
+        ok = all(c == 0 for c in codes)
+        logs = "\n".join(texts)
+        loaded = first_line(logs, r"FAULTDRILL LOADED.*")
+        warn = first_line(logs, r"(ACCO|acco)[^\n]*(checkpoint|rounds restart)[^\n]*")
+        rank, msg = user_error(texts)
+        if ok:
+            step = re.search(r"step=(\d+)", loaded or "")
+            seen = (f"loads (global_steps {step.group(1) if step else '?'}) and trains on"
+                    f"{'; warning: ' + short(warn, 140) if warn else '; no message'}")
+        else:
+            seen = short(msg)
+        rows.append(row(label, seen, "n/a", "n.a.",
+                        judge(msg if not ok else warn, ["rank", "world size", "mode", "min_micro", "accumulation",
+                                                        "ACCO state"], ["resume with", "load only", "restart"])
+                        if (msg if not ok else warn) else "no message",
+                        codes=codes, message=msg, warning=warn, loaded=loaded, loads=ok))
+    return rows
+
+
+SCENARIOS = {
+    "jit_kill": (scenario_jit_kill, 420),
+    "kill_rank": (scenario_kill_rank, 240),
+    "stop_rank": (scenario_stop_rank, 180),
+    "link_down": (scenario_link_down, 180),
+    "bad_grads": (scenario_bad_grads, 240),
+    "disk_full": (scenario_disk_full, 240),
+    "corrupt": (scenario_corrupt, 240),
+    "mismatch": (scenario_mismatch, 300),
+}
+
+
+def run_scenario(name, workdir=None, opts=None, limit=None):
+    """Run one scenario under its hard time limit; always returns rows (TIMEOUT / ERROR rows on failure)."""
+    fn, default_limit = SCENARIOS[name]
+    deadline = Deadline(limit or default_limit)
+    own = workdir is None
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"acco_fault_{name}_"))
+    t0 = time.monotonic()
+    try:
+        rows = fn(workdir, deadline, opts or {})
+    except ScenarioTimeout as err:
+        rows = [row(name, "TIMEOUT", "n/a", "n.a.", "-", error=str(err))]
+    except Exception as err:  # noqa: BLE001 - a drill reports, it does not stop
+        rows = [row(name, f"ERROR in the drill: {short(repr(err), 150)}", "n/a", "n.a.", "-", error=str(err)[-6000:])]
+    finally:
+        kill_everything()
+    for r in rows:
+        r["scenario"] = name
+        r["scenario_seconds"] = round(time.monotonic() - t0, 1)
+    if own:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def markdown(rows):
+    lines = ["| fault | what the user sees (first relevant line) | s until every rank exited with an error | "
+             "last checkpoint intact and resumes exactly | message names problem / fix |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["fault"], r["seen"], str(r["seconds"]), r["resumes"], r["clear"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def cleanup():
+    netns_down()
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 1 and MOUNT_PREFIX in parts[1]:
+            subprocess.run(["umount", "-l", parts[1]], capture_output=True)
+            shutil.rmtree(parts[1], ignore_errors=True)
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--cleanup", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
+    ap.add_argument("--timeout-s", type=float, default=20, help='"acco": {"timeout_s"} of the hang/link rows')
+    ap.add_argument("--out", default=str(RESULTS / "faults"), help="results path without extension")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(SCENARIOS))
+        return 0
+    if args.cleanup:
+        cleanup()
+        return 0
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    opts = {"stop_timeout_s": args.timeout_s, "link_timeout_s": args.timeout_s}
+    base = Path(tempfile.mkdtemp(prefix="acco_faults_"))
+    rows = []
+    t0 = time.time()
+    try:
+        for name in names:
+            print(f"== {name} ...", flush=True)
+            got = run_scenario(name, base / name, opts)
+            for r in got:
+                print(f"   {r['fault']}: {r['seen']} | {r['seconds']} | {r['resumes']}", flush=True)
+            rows += got
+    finally:
+        kill_everything()  # each scenario removes its own namespaces and mounts in its finally
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    import torch
+    import deepspeed
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                       f"{platform.system()} {platform.release()}",
+            "cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "command": "python benchmarks/faults.py" +
+            (f" --only {args.only}" if args.only else ""), "seconds": round(time.time() - t0, 1),
+            "settings": "2 ranks, gloo on loopback (link row: veth pair between 2 namespaces), DS_ACCELERATOR=cpu, "
+                        "OMP_NUM_THREADS=1, MLP 16-64-64-4 (5.6k params), micro-batch 8, "
+                        "gradient_accumulation_steps 2, ZeRO-1, AdamW, clip 1.0, acco/fixed, kernels torch "
+                        f"(JIT row: native), checkpoint every {SAVE_EVERY} steps"}
+    table = markdown(rows)
+    print()
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    out.with_suffix(".md").write_text(f"Machine: {meta['cpu']} ({os.cpu_count()} cores), Python {meta['python']}, "
+                                      f"torch {meta['torch']}, DeepSpeed {meta['deepspeed']}.\n\nSettings: "
+                                      f"{meta['settings']}.\n\nCommand: `{meta['command']}` ({meta['seconds']} s)."
+                                      f"\n\n{table}\n")
+    return 0
+
+
+def _cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
