@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Megatron-DeepSpeed GPT pre-training with ACCO on CPU: 2 ranks (gloo), a 2-layer GPT on
-# byte tokens of the Python standard library, 12 iterations with checkpoints, then a resume
-# to 16 iterations. Everything goes to $WORK (default /tmp/acco_megatron); nothing is written
-# into this repository. Checked with Megatron-DeepSpeed f4157bea and DeepSpeed 0.19.8.
+# byte tokens of the Python standard library. Launched with plain `deepspeed` (no runner): the
+# "acco" block of the DeepSpeed config is honoured through acco_ds's start-up hook.
+#   1. 12 iterations with ACCO, checkpoints at 6 and 12;
+#   2. the same command with ACCO_DS_AUTOPATCH=0 (stock ZeRO-1) for comparison;
+#   3. a resume of run 1 to 16 iterations;
+#   4. the checkpoint's module weights against DeepSpeed's zero_to_fp32 master weights.
+# Everything goes to $WORK (default /tmp/acco_megatron); nothing is written into this repository.
+# Checked with Megatron-DeepSpeed 4efb479d, DeepSpeed 0.19.8, torch 2.13.0+cpu.
 #
 #   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_smoke.sh
 #
-# Needs, on top of acco_ds's environment: `pip install nltk pybind11` (Megatron's
-# preprocess_data.py and its dataset index helpers), and the `.view` -> `.reshape` fix below.
+# Needs acco_ds installed (`pip install -e .`: that installs the start-up hook), `pip install nltk
+# pybind11 six` (Megatron's preprocess_data.py, its dataset index helpers, its tokenizer module),
+# a C++ compiler, and the `.view` -> `.reshape` fix below.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)
 WORK=${WORK:-/tmp/acco_megatron}
 PORT=${PORT:-29561}
 mkdir -p "$WORK"
@@ -27,7 +32,7 @@ if grep -q "query_layer = query_layer.view(output_size\[2\]" "$MEGATRON/megatron
 fi
 
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
-export PYTHONPATH="$HERE/compat:$MEGATRON:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$HERE/compat:$MEGATRON${PYTHONPATH:+:$PYTHONPATH}"
 
 # 1. A tiny indexed dataset: byte values of stdlib sources, NullTokenizer (vocab 256, no download).
 if [ ! -f "$WORK/bytes_text_document.idx" ]; then
@@ -48,13 +53,13 @@ fi
 # 2. micro-batch 2 x 4 accumulation x 2 ranks = global batch 16 (must match the Megatron flags).
 cat > "$WORK/ds_config_acco_cpu.json" <<'JSON'
 {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
- "steps_per_print": 1, "zero_optimization": {"stage": 1},
+ "steps_per_print": 4, "zero_optimization": {"stage": 1},
  "acco": {"enabled": true, "mode": "acco", "accumulation": "fixed"}}
 JSON
 
-train() {  # $1 = --train-iters, $2 = port, rest = extra Megatron flags
-  local iters=$1 port=$2; shift 2
-  (cd "$MEGATRON" && timeout 600 deepspeed --num_gpus 2 --master_port "$port" --module acco_ds.run pretrain_gpt.py \
+train() {  # $1 = --train-iters, $2 = port, $3 = checkpoint folder, rest = extra Megatron flags
+  local iters=$1 port=$2 ckpt=$3; shift 3
+  (cd "$MEGATRON" && timeout 600 deepspeed --num_gpus 2 --master_port "$port" pretrain_gpt.py \
     --no-pipeline-parallel --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
     --micro-batch-size 2 --global-batch-size 16 --train-iters "$iters" \
@@ -63,28 +68,53 @@ train() {  # $1 = --train-iters, $2 = port, rest = extra Megatron flags
     --split 98,2,0 --log-interval 1 --eval-interval 1000 --eval-iters 1 \
     --distributed-backend gloo --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion \
     --no-gradient-accumulation-fusion --use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 \
-    --save "$WORK/ckpt" --save-interval 6 \
+    --save "$ckpt" --save-interval 6 \
     --deepspeed --deepspeed_config "$WORK/ds_config_acco_cpu.json" "$@")
 }
 
-rm -rf "$WORK/ckpt"
-train 12 "$PORT" 2>&1 | tee "$WORK/train.log"
+rm -rf "$WORK/ckpt" "$WORK/ckpt_stock"
+train 12 "$PORT" "$WORK/ckpt" 2>&1 | tee "$WORK/train.log"
+ACCO_DS_AUTOPATCH=0 train 12 "$((PORT + 1))" "$WORK/ckpt_stock" 2>&1 | tee "$WORK/stock.log"
 # 3. Resume from the iteration-12 checkpoint and go on to 16 (the LR schedule's length changes,
 #    which Megatron only accepts with --override-opt_param-scheduler).
-train 16 "$((PORT + 1))" --load "$WORK/ckpt" --override-opt_param-scheduler 2>&1 | tee "$WORK/resume.log"
+train 16 "$((PORT + 2))" "$WORK/ckpt" --load "$WORK/ckpt" --override-opt_param-scheduler 2>&1 | tee "$WORK/resume.log"
 
 echo
-echo "== per iteration: lm loss, skipped (ACCO's start-up iteration commits nothing) =="
-python - "$WORK/train.log" "$WORK/resume.log" <<'PY'
+grep -q '^\[acco_ds\] ACCO engine:' "$WORK/train.log" || { echo "no '[acco_ds] ACCO engine:' line: acco_ds's start-up hook is not installed (pip install -e <acco_ds>)" >&2; exit 1; }
+if grep -q '^\[acco_ds\]' "$WORK/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+echo "== per iteration: lm loss (learning rate), skipped; ACCO's start-up iteration commits nothing =="
+python - "$WORK/train.log" "$WORK/stock.log" "$WORK/resume.log" <<'PY'
 import re, sys
 for path in sys.argv[1:]:
     for line in open(path, errors="replace"):
         it = re.search(r"iteration\s+(\d+)/\s*(\d+) \|", line)
         if it:
             loss = re.search(r"lm loss: ([0-9.E+-]+)", line)
+            lr = re.search(r"learning rate: ([0-9.E+-]+)", line)
             skipped = re.search(r"number of skipped iterations:\s+(\d+)", line)
             print(f"{path.rsplit('/', 1)[-1]:<11} iteration {it.group(1):>3}  lm loss {loss.group(1) if loss else '-':<13}"
-                  f"  skipped {skipped.group(1) if skipped else '?'}")
+                  f"  lr {lr.group(1)}  skipped {skipped.group(1) if skipped else '?'}")
 PY
-echo "== DeepSpeed checkpoint tags (global_step = ACCO engine's committed steps) =="
-ls "$WORK/ckpt"
+echo "== DeepSpeed checkpoint tags (global_stepK: K optimizer steps applied) =="
+echo "ACCO: $(ls -d "$WORK"/ckpt/global_step* | xargs -n1 basename | tr '\n' ' ')  stock: $(ls -d "$WORK"/ckpt_stock/global_step* | xargs -n1 basename | tr '\n' ' ')"
+echo "== checkpoint module weights vs zero_to_fp32 master weights (ACCO, after the resume) =="
+python - "$WORK/ckpt" <<'PY'
+import sys, torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+ckpt = sys.argv[1]
+tag = open(f"{ckpt}/latest").read().strip()
+sd = torch.load(f"{ckpt}/{tag}/mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+flat = {}
+def walk(d, pre=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            walk(v, pre + k + ".")
+        elif torch.is_tensor(v):
+            flat[pre + k] = v
+walk(sd["module"])
+master = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag)
+assert set(flat) == set(master), set(flat) ^ set(master)
+diff = {k: (v.float() - master[k].to(v.dtype).float()).abs().max().item() for k, v in flat.items()}
+print(f"{tag}: {len(diff)} tensors, max abs difference {max(diff.values()):.3e} "
+      f"(LR scheduler at {sd['lr_scheduler']['num_steps']} samples, global_steps {sd['global_steps']})")
+PY

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPT pre-training with Megatron-DeepSpeed and ACCO, through the zero-code runner.
+# GPT pre-training with Megatron-DeepSpeed and ACCO: the "acco" block of ds_config_acco.json turns it on
+# (acco_ds must be pip-installed: its startup hook patches deepspeed.initialize; with acco_ds only on
+# PYTHONPATH, launch with `deepspeed --module acco_ds.run pretrain_gpt.py ...` instead).
 # Run from a Megatron-DeepSpeed checkout (not vendored here): MEGATRON=/path/to/Megatron-DeepSpeed
 # DATA_PREFIX must point at an indexed dataset made with Megatron's tools/preprocess_data.py.
 set -euo pipefail
@@ -10,12 +12,12 @@ NGPUS=${NGPUS:-2}
 MICRO=4; GAS=8; GLOBAL=$((MICRO * GAS * NGPUS))   # must agree with ds_config_acco.json
 
 REPO=$(cd "$HERE/../.." && pwd)
-# compat/: stand-ins for imports DeepSpeed 0.19 removed (see README); acco_ds from this checkout
-# unless it is pip-installed.
-export PYTHONPATH="$HERE/compat:$MEGATRON:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# compat/: stand-ins for imports DeepSpeed 0.19 removed (see README).
+export PYTHONPATH="$HERE/compat:$MEGATRON${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import acco_ds._autopatch" 2>/dev/null || { echo "install acco_ds first: pip install -e $REPO" >&2; exit 1; }
 
 cd "$MEGATRON"
-deepspeed --num_gpus "$NGPUS" --module acco_ds.run pretrain_gpt.py \
+deepspeed --num_gpus "$NGPUS" pretrain_gpt.py \
   --no-pipeline-parallel \
   --tensor-model-parallel-size 1 \
   --num-layers 12 --hidden-size 768 --num-attention-heads 12 \
