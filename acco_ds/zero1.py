@@ -61,7 +61,7 @@ class CommResult:
     finite: bool  # the update was applied (False: skipped, parameters unchanged)
     new_overflow: bool  # the newly reduced part had non-finite values
     comm_s: float = 0.0
-    stats_s: float = 0.0  # of which the small all-reduce of counts and norms
+    phases: Optional[dict] = None  # seconds of comm_s by phase: reduce_scatter, stats_allreduce, update, all_gather
     accounted: bool = False  # the engine already counted this commit (global_steps, LR scheduler)
 
 
@@ -129,7 +129,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self._last_backward_end = None
         self.history = deque(maxlen=10000)
         self.totals = {"rounds": 0, "micro_batches": 0, "compute_s": 0.0, "wait_s": 0.0, "comm_s": 0.0,
-                       "stats_allreduce_s": 0.0}
+                       "reduce_scatter_s": 0.0, "stats_allreduce_s": 0.0, "update_s": 0.0, "all_gather_s": 0.0}
 
     # ------------------------------------------------------------------ hooks
     def create_gradient_handling_hooks(self):
@@ -212,7 +212,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             target.worker_micro = result.worker_micro
             target.global_micro = sum(result.worker_micro)
         self.history.append(stats)
-        self.totals["stats_allreduce_s"] += result.stats_s if result is not None else 0.0
+        for key, value in ((result.phases or {}) if result is not None else {}).items():
+            self.totals[key + "_s"] += value
         for key, value in (("rounds", 1), ("micro_batches", stats.micro_batches), ("compute_s", stats.compute_s),
                            ("wait_s", stats.wait_s), ("comm_s", stats.comm_s)):
             self.totals[key] += value
@@ -242,6 +243,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             g = self.comm.group
             for buf in self.buffers:
                 collectives.reduce_scatter(buf.reduced, buf.send, g)
+            t_rs = time.perf_counter()
             # One small all-reduce: per-rank micro-batch counts, squared norms of the new part and of the total.
             stats = torch.zeros(self.world_size + 2, dtype=torch.float64, device=self.buffers[0].shard.device)
             stats[self.rank] = local_micro
@@ -263,7 +265,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                 stats[-1] = stats[-2]
             t_stats = time.perf_counter()
             tdist.all_reduce(stats, group=g)
-            stats_s = time.perf_counter() - t_stats
+            t_update = time.perf_counter()
             worker_micro = [int(c) for c in stats[:self.world_size].tolist()]
             total = sum(worker_micro) + (self._kept_count if rnd.add_kept_shard else 0)
             norm = math.sqrt(float(stats[-1])) / total
@@ -281,10 +283,15 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                     out.copy_(master)
             if rnd.keep_shard:
                 self._kept_count, self._kept_finite = total, finite
+            t_ag = time.perf_counter()
             for buf, out in zip(self.buffers, outs):
                 collectives.all_gather(buf.gathered, out, g)
-            return CommResult(rnd.index, rnd.comm, total, worker_micro, norm, finite, new_overflow,
-                              time.perf_counter() - start, stats_s)
+            end = time.perf_counter()
+            # The shard arithmetic between the collectives counts as update.
+            phases = {"reduce_scatter": t_rs - start, "stats_allreduce": t_update - t_stats,
+                      "update": (t_stats - t_rs) + (t_ag - t_update), "all_gather": end - t_ag}
+            return CommResult(rnd.index, rnd.comm, total, worker_micro, norm, finite, new_overflow, end - start,
+                              phases)
 
         return run
 

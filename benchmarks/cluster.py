@@ -302,9 +302,29 @@ def summarize(result, compute_micro_s):
         row["micro_per_rank"] = acco["micro_batches_per_rank"]
     else:
         row["micro_per_rank"] = [result["micro_batches"]] * result["world_size"]
-    if result.get("link_tx_bytes"):
+    if result.get("measured_tx_bytes_per_rank"):
+        # Each rank's veth tx_bytes over the measured steps (read by train_gpt.py inside its namespace):
+        # start-up broadcasts and the warm-up steps are not in it.
+        row["link_mb_per_step"] = max(result["measured_tx_bytes_per_rank"]) / steps / 1e6
+    elif result.get("link_tx_bytes"):
         row["link_mb_per_step"] = max(result["link_tx_bytes"]) / max(result["steps"], 1) / 1e6
+    if m and m.get("rounds"):
+        for phase in ("reduce_scatter", "stats_allreduce", "update", "all_gather"):
+            row[f"{phase}_ms_per_round"] = 1e3 * m.get(f"{phase}_s", 0.0) / m["rounds"]
+        row["compute_ms_per_round"] = 1e3 * m["compute_s"] / m["rounds"]
+        row["comm_ms_per_round"] = 1e3 * m["comm_s"] / m["rounds"]
     return row
+
+
+def ideal_step_s(mode, compute_s, link_s):
+    """What the schedule allows with a perfect overlap: ACCO and DPU hide the link time behind compute
+    (max(P, 2C) for ACCO's two rounds of C each, max(P, C) for DPU), ZeRO-1 and sync add it (P + C).
+    ``link_s`` is the measured bytes of one step at the configured rate."""
+    if link_s is None:
+        return compute_s
+    if mode in (STOCK, "acco_ds sync"):
+        return compute_s + link_s
+    return max(compute_s, link_s)
 
 
 def stats3(values):
@@ -424,32 +444,22 @@ def param_count():
     return sum(p.numel() for p in GPT().parameters())
 
 
-def bytes_per_step(n, gloo=True):
-    """Bytes one rank sends per committed step, fp32, 2 ranks. With bandwidth-optimal (ring) collectives a rank
-    sends (W-1)/W of the data per reduce-scatter or all-gather: stock ZeRO-1 all-reduces the gradients (4N) and
-    all-gathers the updated parameters (2N); each ACCO round reduce-scatters (2N) and all-gathers (2N), ACCO has 2
-    rounds per step, DPU and sync 1. gloo (torch 2.13, CPU) sends as many bytes for a reduce-scatter as for an
-    all-reduce (4N; measured with the veth counters, the "link MB" column), so there a round costs 6N."""
-    rs = 4 * n if gloo else 2 * n
-    return {"stock": 6 * n, "acco": 2 * (rs + 2 * n), "dpu/sync": rs + 2 * n}
+def optimal_bytes_per_step(n, mode):
+    """The fewest bytes one rank must send per committed step, fp32 (4 bytes), W = 2: a bandwidth-optimal
+    reduce-scatter or all-gather sends (W-1)/W of the buffer. Stock ZeRO-1 all-reduces the gradients (4N) and
+    all-gathers the parameters (2N); each ACCO round reduce-scatters (2N) and all-gathers (2N), two rounds per
+    step; DPU and sync one round. (The small all-reduce of counts and norms is not counted.)"""
+    return {STOCK: 6 * n, "acco_ds sync": 4 * n, "dpu": 4 * n}.get(mode, 8 * n)
 
 
 def workload_text(compute_step):
     n = param_count()
-    ideal, gloo = bytes_per_step(n, gloo=False), bytes_per_step(n)
     lines = [f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), micro-batch {MICRO_BS} x {BLOCK} tokens, {GAS} "
-             f"micro-batches per rank per step, 2 ranks. Compute per step, no communication: {compute_step:.3f} s. "
-             f"Bytes one rank sends per committed step and the link time they take (see `bytes_per_step`: gloo's "
-             f"reduce-scatter sends as much as an all-reduce; ideal = bandwidth-optimal ring):", "",
-             "| link | stock ZeRO-1 | ACCO (2 rounds), gloo / ideal | DPU, sync (1 round), gloo / ideal | "
-             "compute per step |", "|---|---|---|---|---|"]
-    for bw in BANDWIDTHS[1:]:
-        rate = rate_bits(bw) / 8
-        cells = [f"{gloo['stock'] / 1e6:.1f} MB = {gloo['stock'] / rate:.2f} s"]
-        for k in ("acco", "dpu/sync"):
-            cells.append(f"{gloo[k] / 1e6:.1f} MB = {gloo[k] / rate:.2f} s / {ideal[k] / 1e6:.1f} MB = "
-                         f"{ideal[k] / rate:.2f} s")
-        lines.append(f"| {bw} | " + " | ".join(cells) + f" | {compute_step:.3f} s |")
+             f"micro-batches per rank per step, 2 ranks. Compute per step with no communication (P): "
+             f"{compute_step:.3f} s. Fewest bytes one rank must send per committed step "
+             f"(`optimal_bytes_per_step`): stock ZeRO-1 6N = {6 * n / 1e6:.2f} MB, ACCO 8N = {8 * n / 1e6:.2f} MB, "
+             f"DPU and sync 4N = {4 * n / 1e6:.2f} MB. The table's \"sent\" column is measured: each rank's veth "
+             f"`tx_bytes` over the measured steps (TCP/IP headers included)."]
     return "\n".join(lines)
 
 
@@ -487,9 +497,10 @@ def cmd_throughput(h):
             for mode in h.args.modes:
                 runs.setdefault((bw, mode), []).append(h.run(bw, mode, spec, repeat=repeat, tag="throughput"))
     compute_step = h.calibrate() * GAS
-    head = ("| bandwidth | mode | samples/s median (min–max) | s/step | micro-batches /rank/step | compute s/step | "
-            "exposed comm s/step | compute waited s/step (ACCO) | comm hidden | link MB sent /rank/step | "
-            "speedup vs ZeRO-1 median (min–max) |")
+    head = ("| bandwidth | mode | samples/s median (min–max) | s/step | ideal s/step | ideal / measured | "
+            "micro-batches /rank/step | compute waited s/step (ACCO) | comm hidden | sent MB /rank/step | "
+            "sent / optimum | stats all-reduce ms/round | speedup vs ZeRO-1 median (min–max) |")
+    n_params = param_count()
     lines = [workload_text(compute_step), "", head, "|---" * (head.count("|") - 1) + "|"]
     table = []
     for bw in h.args.bandwidths:
@@ -500,7 +511,15 @@ def cmd_throughput(h):
             sps = stats3([r["samples_per_s"] for r in rows])
             med = {k: stats3([r.get(k) for r in rows]) for k in ("step_time_s", "micro_per_step", "compute_s",
                                                                   "exposed_comm_s", "wait_s", "hidden",
-                                                                  "link_mb_per_step")}
+                                                                  "link_mb_per_step",
+                                                                  "stats_allreduce_ms_per_round")}
+            rate = rate_bits(bw) / 8 if bw != "unlimited" else None
+            ideal = [ideal_step_s(mode, r["compute_s"], r["link_mb_per_step"] * 1e6 / rate
+                                  if rate and r.get("link_mb_per_step") else None) for r in rows]
+            med["ideal_s"] = stats3(ideal)
+            med["efficiency"] = stats3([i / r["step_time_s"] for i, r in zip(ideal, rows)])
+            med["vs_optimum"] = stats3([r["link_mb_per_step"] * 1e6 / optimal_bytes_per_step(n_params, mode)
+                                        for r in rows if r.get("link_mb_per_step")])
             speed = stats3([a["measured_samples_per_s"] / b["measured_samples_per_s"] for a, b in zip(rs, stock)]) \
                 if stock else None
 
@@ -509,17 +528,48 @@ def cmd_throughput(h):
 
             hidden = "– (no overlap)" if mode == STOCK else \
                 ("–" if med["hidden"] is None else f"{100 * med['hidden'][0]:.0f}%")
-            lines.append(f"| {bw} | {mode} | {fmt3(sps)} | {cell('step_time_s')} | {cell('micro_per_step', 1)} | "
-                         f"{cell('compute_s')} | {cell('exposed_comm_s')} | {cell('wait_s')} | {hidden} | "
-                         f"{cell('link_mb_per_step', 2)} | {fmt3(speed, 2, 'x')} |")
+            lines.append(f"| {bw} | {mode} | {fmt3(sps)} | {cell('step_time_s')} | {cell('ideal_s')} | "
+                         f"{fmt3(med['efficiency'], 2)} | {cell('micro_per_step', 1)} | {cell('wait_s')} | {hidden} | "
+                         f"{cell('link_mb_per_step', 2)} | {fmt3(med['vs_optimum'], 2, 'x')} | "
+                         f"{cell('stats_allreduce_ms_per_round', 2)} | {fmt3(speed, 2, 'x')} |")
             table.append({"bandwidth": bw, "mode": mode, "samples_per_s": sps, "speedup": speed,
                           **{k: v for k, v in med.items()}, "command": rs[0]["_record"]["command"]})
     cmds = sorted({r["_record"]["command"] for rs in runs.values() for r in rs})
     text = "\n".join(lines) + "\n\nEach row (one run; the table is the median of the repeats):\n\n" + "\n".join(
         f"    {c}" for c in cmds)
+    text += "\n\n" + profile_text([r["_record"] for rs in runs.values() for r in rs])
     print("\n" + text)
     h.tables["throughput"] = table
     return "### Throughput\n\n" + text
+
+
+def profile_text(records):
+    """Where a round's time goes (medians over repeats), from the engine's own timers: compute on the main
+    thread, and on the communication thread the reduce-scatter, the all-reduce of counts and norms, the
+    optimizer update with the shard arithmetic, the all-gather; beside them the link time of the round's
+    measured bytes at the configured rate."""
+    groups = {}
+    for rec in records:
+        row = rec["row"]
+        if row.get("comm_ms_per_round") is None:
+            continue
+        groups.setdefault((rec["bandwidth"], rec["mode"]), []).append(row)
+    lines = ["Where a round's time goes (ms per round, medians; main thread: compute; communication thread: "
+             "the rest; link = measured bytes of one round at the configured rate):", "",
+             "| bandwidth | mode | compute | waited | reduce-scatter | all-reduce of counts, norms | update | "
+             "all-gather | comm total | link time of the bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (bw, mode), rows in groups.items():
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        rounds_per_step = 2 if mode.startswith("acco ") else 1
+        link = "–"
+        if bw != "unlimited" and rows[0].get("link_mb_per_step"):
+            link = f"{1e3 * med('link_mb_per_step') * 1e6 / rounds_per_step / (rate_bits(bw) / 8):.0f}"
+        waited = 1e3 * med("wait_s") / rounds_per_step if rows[0].get("wait_s") is not None else 0.0
+        lines.append(f"| {bw} | {mode} | {med('compute_ms_per_round'):.0f} | {waited:.0f} | "
+                     f"{med('reduce_scatter_ms_per_round'):.0f} | {med('stats_allreduce_ms_per_round'):.1f} | "
+                     f"{med('update_ms_per_round'):.1f} | {med('all_gather_ms_per_round'):.0f} | "
+                     f"{med('comm_ms_per_round'):.0f} | {link} |")
+    return "\n".join(lines)
 
 
 def cmd_hetero(h):
@@ -668,7 +718,7 @@ def estimate_s(args, parts):
         if bw == "unlimited":
             comm = 0.03
         else:
-            vol = bytes_per_step(n)["acco" if "acco" in mode else "stock"]
+            vol = optimal_bytes_per_step(n, mode)
             comm = vol / (rate_bits(bw) / 8)
         compute = COMPUTE_STEP_S * factor
         if mode == STOCK or mode == "acco_ds sync":

@@ -137,13 +137,17 @@ def evaluate(engine, batches, n_batches, device):
 
 
 def link_tx_bytes():
-    """Bytes sent so far on the interface gloo uses (GLOO_SOCKET_IFNAME), from the kernel's counter;
-    None when gloo is not bound to one interface. Benchmarks read bytes on the wire from here."""
+    """(bytes sent, TCP segments retransmitted) so far on the interface gloo uses (GLOO_SOCKET_IFNAME),
+    from the kernel's counters (this network namespace's); None when gloo is not bound to one interface.
+    Benchmarks read bytes on the wire from here."""
     path = f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME', '')}/statistics/tx_bytes"
     if not os.environ.get("GLOO_SOCKET_IFNAME") or not os.path.exists(path):
         return None
     with open(path) as f:
-        return int(f.read())
+        sent = int(f.read())
+    with open("/proc/net/snmp") as f:
+        tcp = [line.split() for line in f if line.startswith("Tcp:")]
+    return sent, int(tcp[1][tcp[0].index("RetransSegs")])
 
 
 def acco_totals(engine):
@@ -151,7 +155,8 @@ def acco_totals(engine):
     if not hasattr(engine, "acco_stats"):
         return None
     s = engine.acco_stats()
-    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "stats_allreduce_s")}
+    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
+                              "stats_allreduce_s", "update_s", "all_gather_s")}
 
 
 def main():
@@ -229,6 +234,7 @@ def main():
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
+    end = warm
     while engine.global_steps < steps:
         x, y = train.get(micro)
         before = engine.global_steps
@@ -243,9 +249,15 @@ def main():
         if engine.global_steps == before:
             continue
         # A step was committed: the module holds the new parameters.
-        if engine.global_steps == args.warmup_steps:
-            warm = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
+        first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
+        if first_after_warmup or engine.global_steps >= steps:
+            # The measured window runs from commit to commit (a final evaluation, which waits for the round
+            # already in flight and may commit it, stays outside).
+            mark = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
                     "samples": engine.global_samples, "stats": acco_totals(engine), "tx": link_tx_bytes()}
+            if first_after_warmup:
+                warm = mark
+            end = mark
         elapsed = time.perf_counter() - start - eval_time
         tokens = engine.global_steps * tokens_per_step
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
@@ -257,19 +269,16 @@ def main():
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens / elapsed:,.0f}")
-    if hasattr(engine, "acco_drain"):
-        engine.acco_drain()
-    elapsed = time.perf_counter() - start - eval_time
-    tx_end = link_tx_bytes()
-    measured = time.perf_counter() - eval_time - warm["time"]
-    measured_steps = engine.global_steps - warm["step"]
+    elapsed = end["time"] - start
+    measured = end["time"] - warm["time"]
+    measured_steps = end["step"] - warm["step"]
     if bar is not None:
         bar.close()
 
     summary = {
-        "label": label, "world_size": world, "steps": engine.global_steps, "tokens": engine.global_steps *
-        tokens_per_step, "train_time_s": elapsed, "tokens_per_s": engine.global_steps * tokens_per_step / elapsed,
-        "samples_per_s": engine.global_samples / elapsed, "step_time_s": elapsed / max(engine.global_steps, 1),
+        "label": label, "world_size": world, "steps": end["step"], "tokens": end["step"] * tokens_per_step,
+        "train_time_s": elapsed, "tokens_per_s": end["step"] * tokens_per_step / elapsed,
+        "samples_per_s": end["samples"] / elapsed, "step_time_s": elapsed / max(end["step"], 1),
         "first_loss": history[0]["val_loss"], "final_val_loss": history[-1]["val_loss"],
         "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
         "micro_batches": micro, "skipped_steps": engine.skipped_steps,
@@ -277,14 +286,16 @@ def main():
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         # Throughput after --warmup_steps (all steps when 0).
         "measured_steps": measured_steps, "measured_time_s": measured,
-        "measured_samples_per_s": (engine.global_samples - warm["samples"]) / measured,
+        "measured_samples_per_s": (end["samples"] - warm["samples"]) / measured,
         "measured_step_time_s": measured / max(measured_steps, 1),
     }
-    if tx_end is not None:  # bytes this rank sent on gloo's interface over the measured steps
-        sent = torch.tensor([float(tx_end - warm["tx"])], dtype=torch.float64, device=device)
+    if end["tx"] is not None:  # bytes this rank sent on gloo's interface over the measured steps
+        sent = torch.tensor([float(a - b) for a, b in zip(end["tx"], warm["tx"])], dtype=torch.float64,
+                            device=device)
         gathered = [torch.zeros_like(sent) for _ in range(world)]
         deepspeed.comm.all_gather(gathered, sent)
-        summary["measured_tx_bytes_per_rank"] = [int(t.item()) for t in gathered]
+        summary["measured_tx_bytes_per_rank"] = [int(t[0].item()) for t in gathered]
+        summary["measured_tcp_retransmits_per_rank"] = [int(t[1].item()) for t in gathered]
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
         stats.pop("last_rounds", None)
@@ -293,8 +304,7 @@ def main():
         deepspeed.comm.all_gather(gathered, shares)
         stats["micro_batches_per_rank"] = [int(t.item()) for t in gathered]
         if warm["stats"] is not None:
-            now = acco_totals(engine)
-            stats["measured"] = {k: now[k] - warm["stats"][k] for k in now}
+            stats["measured"] = {k: end["stats"][k] - warm["stats"][k] for k in end["stats"]}
         summary["acco"] = stats
     if rank == 0:
         print("\n==== summary ====")
