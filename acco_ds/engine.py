@@ -215,10 +215,10 @@ class ACCOEngine(DeepSpeedEngine):
                 # torch's own messages (e.g. "[enforce fail at inline_container.cc] unexpected pos") do not
                 # say that the disk is full or where.
                 free = _free_bytes(save_dir)
-                raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed ({type(err).__name__}: {err}); "
-                                   f"free space there: {free}. The previous checkpoint is intact ('latest' was "
-                                   f"not moved); delete the partial tag folder and free space or save elsewhere"
-                                   ) from err
+                raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed, is the disk full? (free space "
+                                   f"there: {free}; {type(err).__name__}: {err}). The previous checkpoint is "
+                                   f"intact ('latest' was not moved); delete the partial tag folder and free "
+                                   f"space or save elsewhere") from err
 
     def load_checkpoint(self, load_dir, *args, **kwargs):
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -227,9 +227,10 @@ class ACCOEngine(DeepSpeedEngine):
         except ZeRORuntimeException as err:
             if "world size" not in str(err):
                 raise
-            raise ValueError(f"{err}\nACCO checkpoints keep per-rank in-flight gradients: resume with the world "
-                             f"size they were saved with, or load only the module weights: load_checkpoint(..., "
-                             f"load_optimizer_states=False, load_lr_scheduler_states=False)") from err
+            raise ValueError(f"ACCO: this checkpoint comes from another data-parallel world size; ACCO checkpoints "
+                             f"keep per-rank in-flight gradients: resume with the world size they were saved with, "
+                             f"or load only the module weights: load_checkpoint(..., load_optimizer_states=False, "
+                             f"load_lr_scheduler_states=False). DeepSpeed: {err}") from err
         except (OSError, EOFError, RuntimeError) as err:
             if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
                 raise

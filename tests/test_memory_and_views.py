@@ -101,5 +101,7 @@ def test_users_see_committed_weights_and_finalize_commits_the_last_step(tmp_path
                      world_size=W, timeout=300)[0][0]
     uninterrupted = launch({"runs": [dict(config=cfg, steps=STEPS, drive="b")]}, world_size=W, timeout=300)[0][0]
     assert resumed["global_steps"] == uninterrupted["global_steps"]
+    # was_step_applied() as in the run that did not stop (the save counted the step it waited for).
+    assert resumed["applied"] == uninterrupted["applied"][2:] == [True] * len(resumed["applied"])
     for got, want in zip(resumed["params"], uninterrupted["params"][2:]):
         assert torch.equal(got, want), (got - want).abs().max()
