@@ -96,7 +96,7 @@ def flat(module):
 def main():
     spec = dict(DEFAULTS, **json.load(open(sys.argv[1])))
     outdir = sys.argv[2]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     t0 = time.time()
     if os.environ.get("ACCO_FAULT_TRACE_S"):  # debugging the drill: where is a rank stuck?
         import faulthandler

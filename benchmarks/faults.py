@@ -539,7 +539,7 @@ def scenario_disk_full(workdir, deadline, opts):
             try:
                 res2 = rs2.finish(timeout=deadline.left())
                 loads = all(r["global_steps"] == 6 for r in res2) and \
-                    f"step=4" in (first_line(rs2.log(0), r"FAULTDRILL LOADED.*") or "")
+                    "step=4" in (first_line(rs2.log(0), r"FAULTDRILL LOADED.*") or "")
             except RuntimeError as err:
                 load_err = str(err)[-2000:]
         all_error = all(c is not None and c != 0 for c in codes)

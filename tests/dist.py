@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,3 +74,25 @@ def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failu
 
 def _tails(texts, n=4000):
     return "\n".join(f"--- rank {r} ---\n{t[-n:]}" for r, t in enumerate(texts))
+
+
+def run_in_session(cmd, timeout, env, cwd=ROOT, check=True):
+    """Run ``cmd`` (a launcher and its ranks) in its own session; on timeout, and after it ends, kill the
+    whole process group, so no rank outlives the test."""
+    import pytest
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (a launcher that exited before its ranks)
+        except ProcessLookupError:
+            pass
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

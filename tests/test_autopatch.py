@@ -9,15 +9,13 @@ Every launch runs in its own session with a hard timeout, and its process group 
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from dist import ROOT, free_port
+from dist import ROOT, free_port, run_in_session
 
 HERE = Path(__file__).resolve().parent / "integrations"
 BIN = Path(sys.executable).parent
@@ -33,22 +31,7 @@ def run(cmd, timeout, env=None, cwd=None, check=True):
     """Run ``cmd`` in its own session; kill its whole process group on timeout and after it ends."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ACCO_DS_AUTOPATCH")}
     full_env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (a launcher that exited before its ranks)
-        except ProcessLookupError:
-            pass
-    if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_in_session(cmd, timeout, full_env, cwd=cwd or ROOT, check=check)
 
 
 def launch(make_cmd, timeout, env=None, cwd=None):

@@ -4,15 +4,13 @@ Accelerate, and the report. Every launch runs 2 CPU ranks with a hard timeout.""
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import acco_ds
-from dist import ROOT, free_port
+from dist import ROOT, free_port, run_in_session
 
 HERE = Path(__file__).resolve().parent / "integrations"
 BIN = Path(sys.executable).parent
@@ -30,21 +28,7 @@ def run(cmd, timeout=180, env=None):
     path = [extra.pop("PYTHONPATH", ""), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra,
                PYTHONPATH=os.pathsep.join(p for p in path if p))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (a launcher that exited before its ranks)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_in_session(cmd, timeout, env)
 
 
 def ranks(out, n=2):
