@@ -108,7 +108,7 @@ class ACCOEngine(DeepSpeedEngine):
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         # The optimizer divides by the global micro-batch count, so the loss is not divided here.
         # scale_wrt_gas=False means the caller already divided it (Hugging Face Trainer does):
-        # undo that when packing, so every micro-batch still weighs 1/count in the mean.
+        # undo that when accumulating, so every micro-batch still weighs 1/count in the mean.
         self.optimizer.grad_prescale = 1.0 if scale_wrt_gas else float(self.gradient_accumulation_steps())
         try:
             out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
@@ -123,10 +123,11 @@ class ACCOEngine(DeepSpeedEngine):
         return grad
 
     def _backward_epilogue(self):
-        """After every backward: pack gradients, and end the round when it is due."""
+        """After every backward (its gradients are already in the accumulator): count the micro-batch, and
+        end the round when it is due."""
         self._stop_timers(self.engine_timers.backward_inner_timers)
         opt = self.optimizer
-        opt.accumulate_gradients()
+        opt.count_micro_batch()
         opt.emulate_slow_worker()
         if opt.round_may_end():
             opt.end_round(self._acco_on_commit)

@@ -147,7 +147,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         dst.add_(param.grad.reshape(-1), alpha=self.grad_prescale)
         param.grad = None
 
-    def accumulate_gradients(self) -> None:
+    def count_micro_batch(self) -> None:
         """After a backward: count the micro-batch (its gradients are already in the accumulator)."""
         self.local_micro += 1
 
@@ -484,10 +484,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                 out[key] = out.get(key, 0) + n
         out["total"] = sum(out.values())
         return out
-
-
-def dist_rank() -> int:
-    return tdist.get_rank() if tdist.is_initialized() else 0
 
 
 __all__ = ["ACCOZeroOptimizer", "CommResult", "RoundStats"]
