@@ -38,6 +38,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist, logger
 
 from .config import parse_acco_config, validate_against_deepspeed
+from .memory import dtype_name
+from .rounds import COMMIT
 from .zero1 import ACCOZeroOptimizer, CommResult
 
 
@@ -82,8 +84,9 @@ class ACCOEngine(DeepSpeedEngine):
         _say(f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
              f"micro-batches/round={opt.schedule.min_micro}"
              f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
-             f"world_size={opt.world_size} model={_dt(opt.dtype)} grad_accum={_dt(opt.accum_dtype)} "
-             f"communication={_dt(opt.comm_dtype)} kernels={opt.kernels.name} update={opt.update.name} "
+             f"world_size={opt.world_size} model={dtype_name(opt.dtype)} "
+             f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
+             f"kernels={opt.kernels.name} update={opt.update.name} "
              f"extra buffers={extra / 2**20:.1f} MiB/rank")
 
     # -------------------------------------------------------- construction
@@ -243,7 +246,7 @@ class ACCOEngine(DeepSpeedEngine):
         # that step as applied at its next step(), so the resumed run does too.
         pending = self.optimizer._pending
         self.__dict__["_acco_applied"] = bool(pending is not None and pending.accounted and pending.finite
-                                               and pending.op == "commit")
+                                               and pending.op == COMMIT)
         return out
 
     def train(self, mode=True):
@@ -294,10 +297,6 @@ def _free_bytes(path) -> str:
         return f"{shutil.disk_usage(probe or '.').free / 2**20:.1f} MiB"
     except OSError:
         return "unknown"
-
-
-def _dt(dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _say(msg: str) -> None:

@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import torch
 
-from .buffers import plan_bytes
+from .buffers import _size, plan_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,8 +39,9 @@ def _dtype(name) -> torch.dtype:
     return DTYPES[name]
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bf16"`` (DeepSpeed's names), anything else as torch prints it."""
+    return next((name for name, dt in DTYPES.items() if dt == dtype), str(dtype))
 
 
 def padded_numel(n: int, world_size: int) -> int:
