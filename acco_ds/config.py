@@ -11,13 +11,19 @@ treated as "use the default"), one documented field per key.
 
 from typing import Literal, Optional
 
+import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 ACCO_KEY = "acco"
 
 
-class ACCOEmulationConfig(DeepSpeedConfigModel):
+class _Documented(DeepSpeedConfigModel):
+    """A config model whose field docstrings become the fields' descriptions."""
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class ACCOEmulationConfig(_Documented):
     """Benchmark and test hooks that emulate a slow network or slow workers.
 
     Never use these for real training: they only add sleeps. Every benchmark
@@ -37,7 +43,7 @@ class ACCOEmulationConfig(DeepSpeedConfigModel):
     that forward+backward."""
 
 
-class ACCOConfig(DeepSpeedConfigModel):
+class ACCOConfig(_Documented):
     """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613).
 
     Precision is set by DeepSpeed's own keys, not here: gradients accumulate in
@@ -48,8 +54,10 @@ class ACCOConfig(DeepSpeedConfigModel):
     model): see ``acco_ds.memory``.
     """
 
-    enabled: bool = False
-    """Train with ACCO. ``false`` (or no block) gives stock DeepSpeed."""
+    enabled: StrictBool = False
+    """Train with ACCO. ``false`` (or no block) gives stock DeepSpeed. A JSON
+    boolean only: ``"yes"``, ``"on"`` or ``1`` are rejected, so a typo never
+    turns ACCO on or off silently."""
 
     mode: Literal["acco", "dpu", "sync"] = "acco"
     """``acco``: two rounds per optimizer step, the first estimates the next
@@ -147,21 +155,42 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
                 known = ", ".join(ACCOConfig.model_fields)
                 lines.append(f'unknown key "{key}" (misspelled?). Known keys: {known}')
             else:
-                lines.append(f'"{key}": {e["msg"]} (got {e.get("input")!r})')
+                hint = ": write true or false (a JSON boolean)" if e["type"].startswith("bool") else ""
+                lines.append(f'"{key}": {e["msg"]} (got {e.get("input")!r}){hint}')
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
 
 
-def validate_against_deepspeed(acco: ACCOConfig, ds_config, *, is_pipeline: bool = False) -> None:
+def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None) -> None:
+    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds
+    anything: engines other than ``DeepSpeedEngine`` (pipeline, hybrid),
+    MoE, model parallelism."""
+    from deepspeed.moe.utils import has_moe_layers
+    from deepspeed.pipe import PipelineModule
+    problems = []
+    if ((ds_config or {}).get("hybrid_engine") or {}).get("enabled"):
+        problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false} or '
+                        '"acco": {"enabled": false}')
+    if isinstance(model, PipelineModule):
+        problems.append("pipeline parallelism (the model is a PipelineModule, DeepSpeed's PipelineEngine) is not "
+                        "supported by ACCO: build the model without PipelineModule (Megatron-DeepSpeed: pass "
+                        '--no-pipeline-parallel), or set "acco": {"enabled": false}')
+    if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
+        problems.append('ACCO does not support MoE layers (expert parallel groups): train without MoE or set '
+                        '"acco": {"enabled": false}')
+    if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+        problems.append(f"ACCO does not support tensor/model parallelism yet (model parallel size "
+                        f"{mpu.get_model_parallel_world_size()}): use a model parallel size of 1 (Megatron-DeepSpeed: "
+                        f'--tensor-model-parallel-size 1), or set "acco": {{"enabled": false}}')
+    _raise(problems)
+
+
+def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: bool = False) -> None:
     """Reject DeepSpeed settings that ACCO cannot run with, naming the fix.
 
-    ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``.
+    ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``; called before the
+    engine builds its optimizer. Every rule of that kind lives here.
     """
     problems = []
-    if is_pipeline:
-        problems.append("pipeline parallelism (PipelineModule / PipelineEngine) is not supported by ACCO: "
-                        "train without a PipelineModule (Megatron-DeepSpeed: pass --no-pipeline-parallel)")
-    if getattr(ds_config, "hybrid_engine", None) is not None and ds_config.hybrid_engine.enabled:
-        problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false}')
     stage = int(ds_config.zero_optimization_stage)
     if stage != 1:
         problems.append(f'ACCO shards optimizer states like ZeRO stage 1, but zero_optimization.stage is {stage}: '
@@ -181,5 +210,26 @@ def validate_against_deepspeed(acco: ACCOConfig, ds_config, *, is_pipeline: bool
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
                         "communication side thread): remove offload_optimizer")
+    if zc.zenflow is not None:
+        problems.append("ZenFlow and ACCO both replace the ZeRO-1 update: remove zero_optimization.zenflow")
+    if not ds_config.managed_gradient_accumulation:
+        problems.append("ACCO drives gradient accumulation itself: remove managed_gradient_accumulation=false "
+                        "from the DeepSpeed config")
+    if not client_optimizer and ds_config.optimizer_name is None:
+        problems.append('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to the '
+                        'DeepSpeed config or pass optimizer= to initialize')
+    _raise(problems)
+
+
+def _raise(problems) -> None:
     if problems:
         raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
+
+
+def checkpoint_mismatch(what: str, saved, now) -> ValueError:
+    """The error for resuming an ACCO checkpoint under a different ``what``
+    (data-parallel world size, gradient_accumulation_steps): its in-flight
+    rounds are per rank and hold that many micro-batches."""
+    return ValueError(f"this ACCO checkpoint was saved with {what}={saved} but this run has {now}: its in-flight "
+                      f"gradients are per rank and per round. Resume with {what}={saved}, or load only the module "
+                      f"weights (load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")

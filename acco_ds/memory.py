@@ -26,23 +26,10 @@ from typing import Optional, Union
 
 import torch
 
-from .buffers import _size, plan_bytes
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _dtype(name) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bf16"`` (DeepSpeed's names), anything else as torch prints it."""
-    return next((name for name, dt in DTYPES.items() if dt == dtype), str(dtype))
-
+from .runtime.buffers import plan_bytes
+from .runtime.dtypes import DTYPES
+from .runtime.dtypes import as_dtype as _dtype
+from .runtime.dtypes import size as _size
 
 def padded_numel(n: int, world_size: int) -> int:
     """ZeRO-1 pads each flat group so it splits into equal, aligned partitions."""

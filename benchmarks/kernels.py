@@ -11,12 +11,9 @@ pass --sizes to choose.) For each size it times
           θ into the send buffer; copy the clones back (restore);
 * commit: fused ``adamw_update(commit=True)`` (state and bf16 out) vs the same
           step with torch ops and a cast-copy;
-* pack:   one multi-tensor ``pack`` of 64 bf16 gradients of assorted sizes into
-          a flat fp32 accumulator, vs ``flat[o:o+n].add_(t.float() * s)`` per tensor;
 
 and reports the time (median), the effective bandwidth (bytes that must move /
-time: peek reads θ, g, m, v and writes out; commit also writes θ, m, v; pack
-reads the gradients and reads and writes the accumulator), its ratio to this
+time: peek reads θ, g, m, v and writes out; commit also writes θ, m, v), its ratio to this
 machine's copy bandwidth (``dst.copy_(src)`` on a large tensor, 2 x 4 bytes per
 element), and the memory each variant allocates beyond its inputs (CUDA: peak
 allocation; CPU: bytes allocated during the call, from the torch profiler).
@@ -35,7 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAM = dict(step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5, adamw=True)
-N_GRADS = 64
 
 
 def parse_size(text):
@@ -100,15 +96,6 @@ def unfused_peek(master, grad, m, v, out):
     v.copy_(saved[2])
 
 
-def assorted_sizes(total, count, generator):
-    """``count`` sizes that sum to ``total``, spread over two orders of magnitude."""
-    import torch
-    weights = torch.logspace(0, 2, count)[torch.randperm(count, generator=generator)]
-    sizes = (weights / weights.sum() * total).long().clamp(min=1)
-    sizes[0] += total - int(sizes.sum())
-    return [int(s) for s in sizes]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -147,18 +134,12 @@ def main():
         master, grad = torch.randn(n, device=dev, generator=g), torch.randn(n, device=dev, generator=g)
         m, v = torch.zeros(n, device=dev), torch.rand(n, device=dev, generator=g) * 1e-3
         out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        grad_sizes = assorted_sizes(n, N_GRADS, torch.Generator().manual_seed(0))
-        grads = [torch.randn(s, device=dev, generator=g).bfloat16() for s in grad_sizes]
-        offsets = [sum(grad_sizes[:i]) for i in range(N_GRADS)]
-        flat = torch.zeros(n, device=dev)
         cases = {
             # name: (fused, unfused, bytes that must move)
             "peek": (lambda: native.adamw_update(master, grad, m, v, out, commit=False, **ADAM),
                      lambda: unfused_peek(master, grad, m, v, out), (16 + 2) * n),
             "commit": (lambda: native.adamw_update(master, grad, m, v, out, commit=True, **ADAM),
                        lambda: reference.adamw_update(master, grad, m, v, out, commit=True, **ADAM), (28 + 2) * n),
-            "pack": (lambda: native.pack(grads, flat, offsets, 0.5, True),
-                     lambda: reference.pack(grads, flat, offsets, 0.5, True), (2 + 8) * n),
         }
         for name, (fused, unfused, nbytes) in cases.items():
             row = {"size": n, "kernel": name, "bytes": nbytes, "copy_GBps": copy_bw / 1e9}

@@ -156,18 +156,8 @@ ACCO_HD float f16_bits_to_float(uint16_t h) {
 #endif
 }
 
-// Typed element access; DType is a template argument so that every loop is
+// Typed element store; DType is a template argument so that every loop is
 // specialised for one element type.
-template <int DType>
-ACCO_HD float load_as_float(const void* p, int64_t i) {
-  if constexpr (DType == kFloat32) {
-    return static_cast<const float*>(p)[i];
-  } else {
-    const uint16_t h = static_cast<const uint16_t*>(p)[i];
-    return DType == kBFloat16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
-  }
-}
-
 template <int DType>
 ACCO_HD void store_from_float(void* p, int64_t i, float x) {
   if constexpr (DType == kFloat32) {
@@ -176,13 +166,5 @@ ACCO_HD void store_from_float(void* p, int64_t i, float x) {
     static_cast<uint16_t*>(p)[i] = DType == kBFloat16 ? float_to_bf16_bits(x) : float_to_f16_bits(x);
   }
 }
-
-// A tensor to pack into (or unpack from) a flat fp32 buffer.
-struct FlatItem {
-  void* data;
-  int64_t numel;
-  int64_t offset;  // in elements of the flat buffer
-  int dtype;
-};
 
 }  // namespace acco

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from acco_ds.config import ACCOConfig, ACCOEmulationConfig, parse_acco_config, validate_against_deepspeed
+from acco_ds.config import ACCOConfig, ACCOEmulationConfig, parse_acco_config, check_deepspeed_config
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
@@ -156,7 +156,7 @@ def deepspeed_cases(draw):
 
 
 def expected_problems(cfg):
-    """The keys validate_against_deepspeed must name (the grad_accum_dtype rule is left out: it may change)."""
+    """The keys check_deepspeed_config must name (the grad_accum_dtype rule is left out: it may change)."""
     acco, zero = cfg["acco"], cfg["zero_optimization"]
     gas = cfg["gradient_accumulation_steps"]
     problems = []
@@ -183,7 +183,7 @@ def test_random_deepspeed_combinations(cfg):
     ds_config = DeepSpeedConfig(cfg)  # no process group: DeepSpeed takes world size 1
     problems = expected_problems(cfg)
     try:
-        validate_against_deepspeed(acco, ds_config)
+        check_deepspeed_config(acco, ds_config)
     except ValueError as err:
         message = str(err)
         for key in problems:

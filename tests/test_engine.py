@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import common
-from acco_ds.reference import flat_params, simulate
+from acco_ds.testing.simulator import flat_params, simulate
 from dist import launch
 
 W = 2

@@ -153,58 +153,13 @@ def test_non_finite_inputs_propagate_as_in_torch(native, out_dtype):
         assert out_g[3].isnan() and out_g[10].isnan()
 
 
-def mixed_tensors(n, seed, count=6):
-    """Tensors of every dtype and a few shapes, their offsets (with gaps) and the flat size."""
-    g = torch.Generator().manual_seed(seed)
-    dtypes = [torch.float32, torch.bfloat16, torch.float16]
-    shapes = [(n, ), (3, 1), (n // 2 + 1, ), (1, ), (2, 3, 5), (n % 97 + 1, 2)]
-    tensors = [torch.randn(shapes[i % len(shapes)], generator=g).to(dtypes[i % 3]) for i in range(count)]
-    offsets, o = [], 5
-    for t in tensors:
-        offsets.append(o)
-        o += t.numel() + 3  # the gaps must stay untouched
-    return tensors, offsets, o + 2
-
-
-@pytest.mark.parametrize("scale", [1.0, 0.37])
-@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "copy"])
-@pytest.mark.parametrize("n", SIZES)
-def test_pack_and_unpack_match_reference(native, n, accumulate, scale):
-    tensors, offsets, total = mixed_tensors(n, n)
-    flat = torch.randn(total)
-    want, got = flat.clone(), flat.clone()
-    reference.pack(tensors, want, offsets, scale, accumulate)
-    native.pack(tensors, got, offsets, scale, accumulate)
-    assert torch.equal(got, want)
-    outs_w = [torch.full_like(t, float("nan")) for t in tensors]
-    outs_g = [torch.full_like(t, float("nan")) for t in tensors]
-    reference.unpack(got, outs_w, offsets)
-    native.unpack(got, outs_g, offsets)
-    for a, b in zip(outs_g, outs_w):
-        assert torch.equal(a, b)
-
-
-def test_pack_many_tensors(native):
-    tensors, offsets, total = mixed_tensors(70_000, 0, count=200)  # many tensors, several larger than a chunk
-    want, got = torch.zeros(total), torch.zeros(total)
-    for _ in range(2):
-        reference.pack(tensors, want, offsets, 0.5, True)
-        native.pack(tensors, got, offsets, 0.5, True)
-    assert torch.equal(got, want)
-    native.pack([], got, [], 1.0, True)  # nothing to do
-    native.pack([torch.empty(0)], got, [0], 1.0, True)
-
-
 def test_argument_checks(native):
-    with pytest.raises(RuntimeError, match="does not fit"):
-        native.pack([torch.ones(10)], torch.zeros(8), [0], 1.0, True)
-    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
-        native.pack([torch.ones(4, dtype=torch.float64)], torch.zeros(8), [0], 1.0, True)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        native.unpack(torch.zeros(16), [torch.zeros(4, 4).t()], [0])
-    with pytest.raises(RuntimeError, match="offsets"):
-        native.pack([torch.ones(2)], torch.zeros(8), [0, 2], 1.0, True)
     master, grad, m, v = adam_inputs(10, 0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 and float16"):
+        native.adamw_update(master, grad, m, v, torch.zeros(10, dtype=torch.float64), step=1, weight_decay=0.0,
+                            commit=True, **HYPER)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.adamw_update(master, grad, m, v, torch.zeros(20)[::2], step=1, weight_decay=0.0, commit=True, **HYPER)
     with pytest.raises(RuntimeError, match="elements"):
         native.adamw_update(master, grad[:5], m, v, None, step=1, weight_decay=0.0, commit=True, **HYPER)
     with pytest.raises(RuntimeError, match="float32"):
@@ -277,22 +232,3 @@ def test_cuda_adamw_update_matches_reference(out_dtype):
             assert torch.equal(og, got[0].to(out_dtype))
         else:
             assert all(torch.equal(a, b) for a, b in zip(got, before))
-
-
-@cuda_only
-def test_cuda_pack_unpack_match_reference():
-    cuda = ops.load_kernels("native", "cuda")
-    for n, count in [(1, 6), (7, 6), (4096 + 3, 6), (2**20 + 5, 6), (70_000, 200)]:  # 200: several launches
-        tensors, offsets, total = mixed_tensors(n, 1, count)
-        tensors = [t.cuda() for t in tensors]
-        for accumulate in (True, False):
-            fw = torch.randn(total, device="cuda")
-            fg = fw.clone()
-            reference.pack(tensors, fw, offsets, 0.5, accumulate)
-            cuda.pack(tensors, fg, offsets, 0.5, accumulate)
-            assert torch.equal(fg, fw)
-        outs_w = [torch.full_like(t, float("nan")) for t in tensors]
-        outs_g = [torch.full_like(t, float("nan")) for t in tensors]
-        reference.unpack(fg, outs_w, offsets)
-        cuda.unpack(fg, outs_g, offsets)
-        assert all(torch.equal(a, b) for a, b in zip(outs_g, outs_w))

@@ -153,7 +153,7 @@ def run(spec, rank, world):
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
         out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}
-        out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.history]
+        out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.log.history]
         out["buffer_bytes"] = engine.optimizer.buffer_bytes()
         out["group_numels"] = [f.numel() for f in engine.optimizer.bit16_groups_flat]
         out["optimizer_class"] = type(engine.optimizer).__name__

@@ -1,9 +1,11 @@
-"""The two kernels of acco_ds, with a pure-torch reference each:
+"""The kernel of acco_ds, with its pure-torch reference:
 
 * ``adamw_update``: fused AdamW update of a flat fp32 shard, written straight
   into the all-gather send buffer; ``commit=False`` (Peek) changes no state.
-* ``pack`` / ``unpack``: many tensors of mixed dtypes into (out of) one flat
-  fp32 buffer, scaled, in one launch.
+
+(A multi-tensor pack/unpack kernel existed until 0.2: the engine never needed
+it, since backward hooks add each gradient straight into the flat
+accumulator, so it was removed.)
 
 ``load_kernels(kernels, device)`` picks the implementation the engine uses:
 ``native`` (the C++/CUDA op; an error naming the cause if it does not build),
@@ -28,8 +30,8 @@ _load_errors: Dict[str, str] = {}
 class Kernels:
     """One implementation of the ops: ``name`` says which."""
 
-    def __init__(self, name, adamw_update, pack, unpack):
-        self.name, self._adamw_update, self.pack, self.unpack = name, adamw_update, pack, unpack
+    def __init__(self, name, adamw_update):
+        self.name, self._adamw_update = name, adamw_update
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
@@ -40,7 +42,7 @@ class Kernels:
         return f"Kernels({self.name})"
 
 
-TORCH = Kernels("torch", reference.adamw_update, reference.pack, reference.unpack)
+TORCH = Kernels("torch", reference.adamw_update)
 
 
 def _device_type(device) -> str:
@@ -66,13 +68,7 @@ def _native_kernels(device_type: str) -> Kernels:
         module.adamw_update(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
                             float(eps), float(weight_decay), float(grad_scale), bool(commit), bool(adamw))
 
-    def pack(tensors, flat, offsets, scale, accumulate):
-        module.pack(list(tensors), flat, [int(o) for o in offsets], float(scale), bool(accumulate))
-
-    def unpack(flat, tensors, offsets):
-        module.unpack(flat, list(tensors), [int(o) for o in offsets])
-
-    return Kernels(f"native-{device_type}", adamw_update, pack, unpack)
+    return Kernels(f"native-{device_type}", adamw_update)
 
 
 def load_kernels(kernels: str = "auto", device="cpu") -> Kernels:
@@ -112,16 +108,6 @@ def adamw_update(master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, bet
                                                      grad_scale=grad_scale, commit=commit, adamw=adamw)
 
 
-def pack(tensors, flat, offsets, scale, accumulate):
-    """Pack tensors into a flat fp32 buffer (see ``reference.pack``), native when it loads."""
-    load_kernels("auto", flat.device).pack(tensors, flat, offsets, scale, accumulate)
-
-
-def unpack(flat, tensors, offsets):
-    """Unpack a flat fp32 buffer into tensors (see ``reference.unpack``), native when it loads."""
-    load_kernels("auto", flat.device).unpack(flat, tensors, offsets)
-
-
 def op_report() -> List[dict]:
     """One row per native op: compatible, AOT-built, loadable, and what ``auto`` picks."""
     from .builder import BUILDERS
@@ -144,5 +130,5 @@ def op_report() -> List[dict]:
     return rows
 
 
-__all__ = ["adamw_update", "pack", "unpack", "load_kernels", "load_native", "op_report", "Kernels", "TORCH",
+__all__ = ["adamw_update", "load_kernels", "load_native", "op_report", "Kernels", "TORCH",
            "reference"]

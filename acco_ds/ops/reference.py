@@ -1,4 +1,4 @@
-"""Pure-torch implementations of the acco_ds ops: the reference the native
+"""Pure-torch implementation of the acco_ds op: the reference the native
 kernels are tested against, and the fallback when they cannot be built.
 
 They follow torch.optim.Adam(W)'s single-tensor step operation by operation,
@@ -6,7 +6,7 @@ so they agree with it (the tests check) and show plainly what the fused
 kernels compute in one pass.
 """
 
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -39,23 +39,3 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
     if out is not None:
         out.copy_(master)
-
-
-@torch.no_grad()
-def pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int], scale: float,
-         accumulate: bool) -> None:
-    """``flat[o:o+n] (+)= t * scale`` for every tensor ``t`` at offset ``o``."""
-    for t, o in zip(tensors, offsets):
-        dst = flat.narrow(0, o, t.numel())
-        src = t.reshape(-1).float() * scale
-        if accumulate:
-            dst.add_(src)
-        else:
-            dst.copy_(src)
-
-
-@torch.no_grad()
-def unpack(flat: torch.Tensor, tensors: List[torch.Tensor], offsets: Sequence[int]) -> None:
-    """``t = flat[o:o+n]`` (cast to ``t.dtype``) for every tensor ``t`` at offset ``o``."""
-    for t, o in zip(tensors, offsets):
-        t.copy_(flat.narrow(0, o, t.numel()).view_as(t))

@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 
 #include <optional>
-#include <vector>
 
 #include "../acco_common.h"
 
@@ -41,23 +40,6 @@ inline void check_adam_args(const torch::Tensor& master, const torch::Tensor& gr
     TORCH_CHECK(out->numel() == n, "out has ", out->numel(), " elements, master has ", n);
     dtype_code(*out);
   }
-}
-
-inline std::vector<FlatItem> flat_items(const std::vector<torch::Tensor>& tensors, const torch::Tensor& flat,
-                                        const std::vector<int64_t>& offsets, torch::DeviceType device) {
-  check_flat(flat, "flat", device);
-  TORCH_CHECK(flat.scalar_type() == torch::kFloat32, "flat must be float32");
-  TORCH_CHECK(tensors.size() == offsets.size(), "got ", tensors.size(), " tensors but ", offsets.size(), " offsets");
-  std::vector<FlatItem> items;
-  items.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    check_flat(t, "every tensor", device);
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(), "tensor ", i, " (", t.numel(),
-                " elements at offset ", offsets[i], ") does not fit in the flat buffer of ", flat.numel());
-    items.push_back({t.data_ptr(), t.numel(), offsets[i], dtype_code(t)});
-  }
-  return items;
 }
 
 }  // namespace bindings

@@ -18,21 +18,8 @@ void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_av
                          exp_avg_sq.data_ptr<float>(), out_ptr, out_dtype, master.numel(), s, commit);
 }
 
-void pack(std::vector<torch::Tensor> tensors, torch::Tensor flat, std::vector<int64_t> offsets, double scale,
-          bool accumulate) {
-  auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCPU);
-  acco::cpu::pack(items, flat.data_ptr<float>(), static_cast<float>(scale), accumulate);
-}
-
-void unpack(torch::Tensor flat, std::vector<torch::Tensor> tensors, std::vector<int64_t> offsets) {
-  auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCPU);
-  acco::cpu::unpack(flat.data_ptr<float>(), items);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_update", &adamw_update, "Fused AdamW update of a flat fp32 shard (peek or commit) (CPU)");
-  m.def("pack", &pack, "Pack tensors of mixed dtypes into a flat fp32 buffer (CPU)");
-  m.def("unpack", &unpack, "Unpack a flat fp32 buffer into tensors (CPU)");
 }

@@ -24,26 +24,8 @@ void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_av
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void pack(std::vector<torch::Tensor> tensors, torch::Tensor flat, std::vector<int64_t> offsets, double scale,
-          bool accumulate) {
-  auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCUDA);
-  const c10::cuda::CUDAGuard guard(flat.device());
-  acco::cuda::pack(items, flat.data_ptr<float>(), static_cast<float>(scale), accumulate,
-                   c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void unpack(torch::Tensor flat, std::vector<torch::Tensor> tensors, std::vector<int64_t> offsets) {
-  auto items = acco::bindings::flat_items(tensors, flat, offsets, torch::kCUDA);
-  const c10::cuda::CUDAGuard guard(flat.device());
-  acco::cuda::unpack(flat.data_ptr<float>(), items, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_update", &adamw_update, "Fused AdamW update of a flat fp32 shard (peek or commit) (CUDA)");
-  m.def("pack", &pack, "Pack tensors of mixed dtypes into a flat fp32 buffer (CUDA, multi-tensor)");
-  m.def("unpack", &unpack, "Unpack a flat fp32 buffer into tensors (CUDA, multi-tensor)");
 }

@@ -6,8 +6,6 @@
 //
 // adam_kernel: one grid-stride pass, 4 elements per thread with 16-byte loads
 // when every pointer is aligned (flat ZeRO partitions are), scalar tail.
-// multi_tensor_kernel: Apex-style multi_tensor_apply: per launch, a small
-// struct of tensor pointers and a block -> (tensor, chunk) map passed by value.
 #include <algorithm>
 
 #include "acco_cuda.h"
@@ -98,85 +96,6 @@ void adam_dispatch(float* master, const float* grad, float* m, float* v, void* o
   }
 }
 
-// ---------------------------------------------------------------- multi-tensor
-// Kernel parameters are limited to 4 KB; this struct is about 2.8 KB.
-constexpr int kMaxTensors = 48;
-constexpr int kMaxBlocks = 320;
-constexpr int64_t kChunk = 65536;
-
-struct TensorListMeta {
-  void* data[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  int64_t offset[kMaxTensors];
-  unsigned char dtype[kMaxTensors];
-  unsigned char block_to_tensor[kMaxBlocks];
-  int block_to_chunk[kMaxBlocks];
-};
-
-template <int DType, bool Pack>
-__device__ __forceinline__ void chunk_loop(void* data, float* flat_part, int64_t start, int64_t end, float scale,
-                                           bool accumulate) {
-  for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
-    if (Pack) {
-      const float x = load_as_float<DType>(data, i) * scale;
-      flat_part[i] = accumulate ? flat_part[i] + x : x;
-    } else {
-      store_from_float<DType>(data, i, flat_part[i]);
-    }
-  }
-}
-
-// Pack: flat[offset + i] (+)= tensor[i] * scale; unpack: tensor[i] = flat[offset + i].
-template <bool Pack>
-__global__ void multi_tensor_kernel(TensorListMeta meta, float* flat, float scale, bool accumulate) {
-  const int t = meta.block_to_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * kChunk;
-  const int64_t end = min(start + kChunk, meta.numel[t]);
-  float* flat_part = flat + meta.offset[t];
-  switch (meta.dtype[t]) {  // uniform across the block: no divergence
-    case kFloat32: return chunk_loop<kFloat32, Pack>(meta.data[t], flat_part, start, end, scale, accumulate);
-    case kBFloat16: return chunk_loop<kBFloat16, Pack>(meta.data[t], flat_part, start, end, scale, accumulate);
-    default: return chunk_loop<kFloat16, Pack>(meta.data[t], flat_part, start, end, scale, accumulate);
-  }
-}
-
-template <bool Pack>
-void multi_tensor_apply(const std::vector<FlatItem>& items, float* flat, float scale, bool accumulate,
-                        cudaStream_t stream) {
-  TensorListMeta meta;
-  int n_tensors = 0, n_blocks = 0;
-  for (size_t t = 0; t < items.size(); ++t) {
-    if (items[t].numel == 0) continue;
-    meta.data[n_tensors] = items[t].data;
-    meta.numel[n_tensors] = items[t].numel;
-    meta.offset[n_tensors] = items[t].offset;
-    meta.dtype[n_tensors] = static_cast<unsigned char>(items[t].dtype);
-    const int64_t chunks = (items[t].numel + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_to_tensor[n_blocks] = static_cast<unsigned char>(n_tensors);
-      meta.block_to_chunk[n_blocks] = static_cast<int>(c);
-      ++n_blocks;
-      const bool last_chunk = c == chunks - 1;
-      if (n_blocks == kMaxBlocks || (n_tensors + 1 == kMaxTensors && last_chunk)) {
-        multi_tensor_kernel<Pack><<<n_blocks, kThreads, 0, stream>>>(meta, flat, scale, accumulate);
-        n_blocks = 0;
-        if (last_chunk) {
-          n_tensors = -1;  // the next tensor starts at slot 0
-        } else {
-          // The tensor continues in the next launch, from slot 0.
-          meta.data[0] = meta.data[n_tensors];
-          meta.numel[0] = meta.numel[n_tensors];
-          meta.offset[0] = meta.offset[n_tensors];
-          meta.dtype[0] = meta.dtype[n_tensors];
-          n_tensors = 0;
-        }
-      }
-    }
-    ++n_tensors;
-  }
-  if (n_blocks > 0) multi_tensor_kernel<Pack><<<n_blocks, kThreads, 0, stream>>>(meta, flat, scale, accumulate);
-}
-
 }  // namespace
 
 void adam_update(float* master, const float* grad, float* m, float* v, void* out, int out_dtype, int64_t n,
@@ -187,14 +106,6 @@ void adam_update(float* master, const float* grad, float* m, float* v, void* out
   } else {
     adam_dispatch<false>(master, grad, m, v, out, out_dtype, n, s, stream);
   }
-}
-
-void pack(const std::vector<FlatItem>& items, float* flat, float scale, bool accumulate, cudaStream_t stream) {
-  multi_tensor_apply<true>(items, flat, scale, accumulate, stream);
-}
-
-void unpack(const float* flat, const std::vector<FlatItem>& items, cudaStream_t stream) {
-  multi_tensor_apply<false>(items, const_cast<float*>(flat), 1.0f, false, stream);
 }
 
 }  // namespace cuda

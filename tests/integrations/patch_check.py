@@ -15,7 +15,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 import acco_ds
-from acco_ds.engine import ACCOEngine
+from acco_ds.deepspeed.engine import ACCOEngine
 
 deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
 out = {}

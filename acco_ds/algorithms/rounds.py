@@ -62,27 +62,27 @@ class RoundSchedule:
 
     Args:
         mode: ``acco`` | ``dpu`` | ``sync``.
-        gradient_accumulation_steps: micro-batches per worker per optimizer
-            step in fixed accumulation (DeepSpeed's setting).
-        adaptive: keep accumulating while communication is in flight.
-        max_micro: upper bound per round in adaptive accumulation.
+        min_micro: micro-batches per worker per round (exact in fixed
+            accumulation, a minimum in adaptive accumulation).
+        max_micro: upper bound per round (adaptive accumulation; equal to
+            ``min_micro`` in fixed accumulation).
+
+    The config (``acco_ds.config``) decides these numbers and rejects
+    impossible combinations; the schedule only sequences rounds.
     """
 
-    def __init__(self, mode: str, gradient_accumulation_steps: int, adaptive: bool = False,
-                 max_micro: Optional[int] = None):
+    def __init__(self, mode: str, min_micro: int, max_micro: Optional[int] = None):
         if mode not in ("acco", "dpu", "sync"):
-            raise ValueError(f"unknown mode {mode!r}")
-        gas = gradient_accumulation_steps
-        if mode == "acco" and gas % 2:
-            raise ValueError(f"acco mode needs an even gradient_accumulation_steps, got {gas}")
-        if adaptive and mode == "sync":
-            raise ValueError("adaptive accumulation needs an overlapping mode (acco or dpu)")
+            raise ValueError(f"unknown round mode {mode!r}")
         self.mode = mode
-        self.adaptive = adaptive
-        self.min_micro = gas // 2 if mode == "acco" else gas
-        self.max_micro = max(max_micro or self.min_micro, self.min_micro) if adaptive else self.min_micro
+        self.min_micro = min_micro
+        self.max_micro = max(max_micro or min_micro, min_micro)
         self.index = 0
         self.current = self._round(0)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_micro > self.min_micro
 
     def _round(self, i: int) -> Round:
         lo, hi = self.min_micro, self.max_micro
@@ -127,12 +127,11 @@ class RoundSchedule:
         return max(rounds_completed - 1, 0) // 2
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "index": self.index, "min_micro": self.min_micro, "max_micro": self.max_micro,
-                "adaptive": self.adaptive}
+        return {"mode": self.mode, "index": self.index, "min_micro": self.min_micro, "max_micro": self.max_micro}
 
     def load_state_dict(self, sd: dict) -> None:
         mine = self.state_dict()
-        for key in ("mode", "min_micro", "max_micro", "adaptive"):
+        for key in ("mode", "min_micro", "max_micro"):
             if sd[key] != mine[key]:
                 raise ValueError(f"checkpoint was saved with ACCO {key}={sd[key]!r} but this run has {mine[key]!r}: "
                                  f"resume with the same acco block and gradient_accumulation_steps")

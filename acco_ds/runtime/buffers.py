@@ -42,10 +42,7 @@ from typing import Dict
 
 import torch
 
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
+from .dtypes import size as _size
 
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
                comm_dtype: torch.dtype) -> Dict[str, int]:
@@ -129,4 +126,14 @@ class FlatBuffers:
                 "shards": b(self.shard) + b(self.kept)}
 
 
-__all__ = ["FlatBuffers", "plan_bytes"]
+def allocated_bytes(buffers) -> Dict[str, int]:
+    """Bytes allocated by a list of ``FlatBuffers``, by buffer, and their ``total``."""
+    out: Dict[str, int] = {}
+    for buf in buffers:
+        for key, n in buf.nbytes().items():
+            out[key] = out.get(key, 0) + n
+    out["total"] = sum(out.values())
+    return out
+
+
+__all__ = ["FlatBuffers", "plan_bytes", "allocated_bytes"]

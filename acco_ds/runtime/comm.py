@@ -19,7 +19,6 @@ NCCL: the group timeout), so every rank gets an error instead of a hang.
 import atexit
 import queue
 import threading
-import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -54,17 +53,12 @@ class CommWorker:
         self._busy = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
-        self.last_duration_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="acco-comm", daemon=True)
         self._thread.start()
         # Join the thread at interpreter exit even if the engine is never destroyed.
         ref = weakref.ref(self)
         self._atexit = lambda: (ref() is not None) and ref().close()
         atexit.register(self._atexit)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
 
     @property
     def busy(self) -> bool:
@@ -78,7 +72,6 @@ class CommWorker:
                 job = self._jobs.get()
                 if job is None:
                     return
-                start = time.perf_counter()
                 try:
                     if self.cuda:
                         with torch.cuda.stream(self.stream):
@@ -93,7 +86,6 @@ class CommWorker:
                 except BaseException as err:  # re-raised on the main thread
                     self._error = err
                 finally:
-                    self.last_duration_s = time.perf_counter() - start
                     self._finished.set()
 
     def submit(self, job: Callable[[], Any]) -> None:

@@ -17,6 +17,13 @@ from typing import List, Optional
 import torch
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """DeepSpeed ZeRO's clipping rule: divide by max(1, (norm + 1e-6) / max_norm)."""
+    if max_norm <= 0:
+        return 1.0
+    return 1.0 / max(1.0, (norm + 1e-6) / max_norm)
+
+
 def fast_adam_kind(opt) -> Optional[str]:
     """'torch' / 'fused' when the fused update can replace ``opt.step()``, else None."""
     groups = opt.param_groups
@@ -98,4 +105,4 @@ class ShardUpdate:
             state["step"] = state["step"] + 1
 
 
-__all__ = ["ShardUpdate", "fast_adam_kind"]
+__all__ = ["ShardUpdate", "fast_adam_kind", "clip_coefficient"]

@@ -30,6 +30,7 @@ optimizer divides the reduced gradient sum by the global micro-batch count.
 
 import contextlib
 import functools
+import re
 
 import deepspeed.runtime.engine as ds_engine
 import torch
@@ -37,10 +38,11 @@ import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist, logger
 
-from .config import parse_acco_config, validate_against_deepspeed
-from .memory import dtype_name
-from .rounds import COMMIT
-from .zero1 import ACCOZeroOptimizer, CommResult
+from ..config import check_deepspeed_config, checkpoint_mismatch, parse_acco_config
+from ..algorithms.rounds import COMMIT
+from ..runtime.dtypes import dtype_name
+from ..runtime.job import CommResult
+from .zero1 import ACCOZeroOptimizer
 
 
 class ACCOEngine(DeepSpeedEngine):
@@ -53,15 +55,7 @@ class ACCOEngine(DeepSpeedEngine):
         if not acco.enabled:
             raise ValueError('ACCOEngine needs "acco": {"enabled": true} in the DeepSpeed config')
         if config_class is not None:
-            validate_against_deepspeed(acco, config_class)
-            if not config_class.managed_gradient_accumulation:
-                raise ValueError("ACCO drives gradient accumulation itself: remove "
-                                 "managed_gradient_accumulation=false from the DeepSpeed config")
-            if kwargs.get("optimizer") is None and config_class.optimizer_name is None:
-                raise ValueError('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to '
-                                 'the DeepSpeed config or pass optimizer= to initialize')
-            if config_class.zero_config.zenflow is not None:
-                raise ValueError("ZenFlow and ACCO both replace the ZeRO-1 update: remove zero_optimization.zenflow")
+            check_deepspeed_config(acco, config_class, client_optimizer=kwargs.get("optimizer") is not None)
         # Set before Module.__init__ runs inside DeepSpeedEngine.__init__.
         self.__dict__["acco_config"] = acco
         self.__dict__["_acco_lr_kwargs"] = None
@@ -78,8 +72,8 @@ class ACCOEngine(DeepSpeedEngine):
                      "whole rounds of compute", ranks=[0])
         opt = self.optimizer
         # The module's state_dict() (save_pretrained, Accelerate's get_state_dict) sees committed weights.
-        self.module.register_state_dict_pre_hook(lambda *_: opt.show_committed(self._acco_on_commit))
-        self.module.register_state_dict_post_hook(lambda *_: opt.restore_compute_params(all_levels=False))
+        self.module.register_state_dict_pre_hook(lambda *_: self._acco_show_committed())
+        self.module.register_state_dict_post_hook(lambda *_: opt.view.restore(all_levels=False))
         extra = opt.buffer_bytes()["total"]
         _say(f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
              f"micro-batches/round={opt.schedule.min_micro}"
@@ -131,9 +125,8 @@ class ACCOEngine(DeepSpeedEngine):
         self._stop_timers(self.engine_timers.backward_inner_timers)
         opt = self.optimizer
         opt.count_micro_batch()
-        opt.emulate_slow_worker()
         if opt.round_may_end():
-            opt.end_round(self._acco_on_commit)
+            self._acco_end_round()
         opt.exit_backward()
         self._stop_timers(self.engine_timers.backward_timers)
 
@@ -152,7 +145,34 @@ class ACCOEngine(DeepSpeedEngine):
         self._step_applied = self._acco_applied
         self.__dict__["_acco_applied"] = False
 
-    def _acco_on_commit(self, result: CommResult) -> None:
+    def _acco_end_round(self) -> None:
+        self.optimizer.finish_round()
+        self._acco_count_commits()  # before the next job reads the learning rate
+        self.optimizer.start_round()
+
+    def _acco_align_rounds(self) -> int:
+        """Make every rank end the same round before a read (collective).
+
+        In adaptive accumulation each rank ends its rounds on its own, so at
+        the same user-level iteration a rank may already have submitted the
+        next round's job while a peer has not: waiting for that job would
+        deadlock. Ranks a round behind close their round early (the
+        micro-batch counts travel with the gradients, so the mean stays
+        exact). Returns the most micro-batches any rank holds in its round.
+        """
+        opt = self.optimizer
+        index, micro = opt.peers_state()
+        if index > opt.schedule.index:  # at most one round behind: jobs pair ranks round by round
+            self._acco_end_round()
+            micro = opt.peers_state()[1]
+        return micro
+
+    def _acco_count_commits(self) -> None:
+        """The per-committed-step bookkeeping of stock ``_take_model_step``, for each finished commit."""
+        for result in self.optimizer.take_commits():
+            self._acco_count_commit(result)
+
+    def _acco_count_commit(self, result: CommResult) -> None:
         if result.finite:
             self.__dict__["_acco_applied"] = True
             if self.lr_scheduler is not None:
@@ -205,11 +225,18 @@ class ACCOEngine(DeepSpeedEngine):
         """Within this block the module's parameters are the committed weights
         θ_t (matching ``global_steps`` and the optimizer state), also in the
         middle of a real round where the compute side works at the estimate."""
-        self.optimizer.show_committed(self._acco_on_commit)
+        self._acco_show_committed()
         try:
             yield
         finally:
-            self.optimizer.restore_compute_params(all_levels=False)
+            self.optimizer.view.restore(all_levels=False)
+
+    def _acco_show_committed(self) -> None:
+        opt = self.optimizer
+        if opt.view.depth == 0 and opt.schedule.adaptive:
+            self._acco_align_rounds()  # an outer read (save_checkpoint, eval) has aligned already
+        opt.show_committed()
+        self._acco_count_commits()
 
     def save_checkpoint(self, save_dir, *args, **kwargs):
         with self.acco_committed_weights():
@@ -226,15 +253,18 @@ class ACCOEngine(DeepSpeedEngine):
 
     def load_checkpoint(self, load_dir, *args, **kwargs):
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        opt = self.optimizer
+        if isinstance(opt, ACCOZeroOptimizer) and opt.schedule.adaptive:
+            self._acco_align_rounds()  # the in-flight job must be one every rank submitted
         try:
             out = super().load_checkpoint(load_dir, *args, **kwargs)
         except ZeRORuntimeException as err:
             if "world size" not in str(err):
                 raise
-            raise ValueError(f"ACCO: this checkpoint comes from another data-parallel world size; ACCO checkpoints "
-                             f"keep per-rank in-flight gradients: resume with the world size they were saved with, "
-                             f"or load only the module weights: load_checkpoint(..., load_optimizer_states=False, "
-                             f"load_lr_scheduler_states=False). DeepSpeed: {err}") from err
+            sizes = re.search(r"world size of (\d+) but the current world size is (\d+)", str(err))
+            saved, now = sizes.groups() if sizes else ("another", self.dp_world_size)
+            raise ValueError(f"ACCO: {checkpoint_mismatch('data-parallel world size', saved, now)}. "
+                             f"DeepSpeed: {err}") from err
         except (OSError, EOFError, RuntimeError) as err:
             if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
                 raise
@@ -244,9 +274,8 @@ class ACCOEngine(DeepSpeedEngine):
                                f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports
         # that step as applied at its next step(), so the resumed run does too.
-        pending = self.optimizer._pending
-        self.__dict__["_acco_applied"] = bool(pending is not None and pending.accounted and pending.finite
-                                               and pending.op == COMMIT)
+        pending = self.optimizer.pending
+        self.__dict__["_acco_applied"] = bool(pending is not None and pending.finite and pending.commits)
         return out
 
     def train(self, mode=True):
@@ -254,9 +283,9 @@ class ACCOEngine(DeepSpeedEngine):
         opt = getattr(self, "optimizer", None)
         if isinstance(opt, ACCOZeroOptimizer) and mode == self._acco_eval_view:
             if mode:
-                opt.restore_compute_params(all_levels=False)
+                opt.view.restore(all_levels=False)
             else:
-                opt.show_committed(self._acco_on_commit)
+                self._acco_show_committed()
             self.__dict__["_acco_eval_view"] = not mode
         return super().train(mode)
 
@@ -264,17 +293,23 @@ class ACCOEngine(DeepSpeedEngine):
         return self.train(False)
 
     # ------------------------------------------------------------- lifecycle
-    def acco_drain(self) -> None:
-        """Wait for in-flight communication (e.g. before timing)."""
-        self.optimizer.drain()
-
     def acco_finalize(self) -> bool:
         """Commit the step whose gradients are complete and install the
         committed weights: after N iterations, N optimizer steps. Training may
         go on afterwards; it restarts with a start-up round. Returns whether a
         step was committed."""
         self.__dict__["_acco_eval_view"] = False
-        return self.optimizer.finalize(self._acco_on_commit)
+        opt = self.optimizer
+        opt.view.restore()
+        steps = self.global_steps
+        left = self._acco_align_rounds()
+        # End rounds until every accumulated gradient is inside the in-flight commit: nothing is dropped.
+        while left or opt.schedule.current.comm not in (None, COMMIT):
+            self._acco_end_round()
+            left = 0
+        opt.finalize()
+        self._acco_count_commits()
+        return self.global_steps > steps
 
     def destroy(self):
         opt = getattr(self, "optimizer", None)

@@ -1,0 +1,100 @@
+"""``deepspeed.initialize`` with ACCO: the engine swap and the patch.
+
+``deepspeed.initialize`` has no engine registry: it instantiates the
+module-level name ``DeepSpeedEngine``. Swapping that name for ``ACCOEngine``
+during the call reuses all of initialize's logic for every caller (plain
+scripts, Hugging Face Trainer/Accelerate, Megatron-DeepSpeed).
+"""
+
+import contextlib
+import inspect
+import threading
+
+_lock = threading.RLock()
+_original_initialize = None  # deepspeed.initialize before patch()
+
+
+def resolve_config(args, config, config_params) -> dict:
+    """The DeepSpeed config as a dict, from any of the places initialize accepts it."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    return load_ds_config(config)
+
+
+@contextlib.contextmanager
+def _acco_engine_class():
+    import deepspeed
+
+    from .engine import ACCOEngine
+    with _lock:
+        saved = deepspeed.DeepSpeedEngine
+        deepspeed.DeepSpeedEngine = ACCOEngine
+        try:
+            yield
+        finally:
+            deepspeed.DeepSpeedEngine = saved
+
+
+def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
+    """Call ``ds_initialize`` (the original ``deepspeed.initialize``), with the
+    ACCO engine when the config enables it."""
+    from ..config import check_before_initialize, parse_acco_config  # lazy: the autopatch runs inside `import deepspeed`
+    config = resolve_config(args, kwargs.get("config"), kwargs.get("config_params"))
+    if not parse_acco_config(config).enabled:
+        return ds_initialize(args, model, *rest, **kwargs)
+    try:
+        mpu = inspect.signature(ds_initialize).bind_partial(args, model, *rest, **kwargs).arguments.get("mpu")
+    except TypeError:
+        mpu = kwargs.get("mpu")
+    check_before_initialize(model, mpu, config)
+    with _acco_engine_class():
+        return ds_initialize(args, model, *rest, **kwargs)
+
+
+def original_initialize():
+    import deepspeed
+    return _original_initialize or deepspeed.initialize
+
+
+def patch() -> None:
+    """Route every later ``deepspeed.initialize`` call through ACCO (idempotent)."""
+    import deepspeed
+    global _original_initialize
+    with _lock:
+        if _original_initialize is not None:
+            return
+        _original_initialize = deepspeed.initialize
+
+        def initialize_with_acco(args=None, model=None, *rest, **kwargs):
+            return initialize_with(_original_initialize, args, model, *rest, **kwargs)
+
+        initialize_with_acco.__doc__ = _original_initialize.__doc__
+        initialize_with_acco.__wrapped__ = _original_initialize
+        initialize_with_acco._acco_patch = True
+        deepspeed.initialize = initialize_with_acco
+        try:  # DeepSpeed's own CPU op build must not hang a start either
+            from ..ops.builder import guard_deepspeed_shm_op
+            guard_deepspeed_shm_op()
+        except Exception:  # noqa: BLE001 - a DeepSpeed without that op: nothing to guard
+            pass
+
+
+def unpatch() -> None:
+    import deepspeed
+    global _original_initialize
+    with _lock:
+        if _original_initialize is None:
+            return
+        deepspeed.initialize = _original_initialize
+        _original_initialize = None
+
+
+def is_patched() -> bool:
+    return _original_initialize is not None

@@ -1,0 +1,303 @@
+"""ACCOZeroOptimizer: DeepSpeed's ZeRO-1 optimizer driven by ACCO's rounds.
+
+It reuses everything ZeRO-1 builds: the flat, padded parameter buffers
+(``bit16_groups_flat``), their equal partitions, this rank's fp32 master
+partition (``single_partition_of_fp32_groups``), the wrapped torch optimizer
+that only sees that partition, the loss scaler and the checkpoint format. It
+replaces how gradients travel:
+
+* during backward, a post-accumulate-grad hook adds each ``param.grad`` into
+  a flat accumulator laid out like the flat parameters and frees it
+  (``runtime.buffers.FlatBuffers``), so gradients never exist twice;
+* when a round ends (``finish_round``) the gathered parameters of the
+  finished job become the compute parameters; ``start_round`` then hands
+  the accumulated gradients to the communication thread, which runs the
+  round's job (``runtime.job.RoundJob``: reduce-scatter, Peek or commit,
+  all-gather over the same buffer).
+
+Gradients are averaged per micro-batch: micro-batch losses are not divided
+by anything, the reduced sum is divided by the global micro-batch count,
+which is all-reduced with the gradient norms. So adaptive accumulation
+(different counts per worker) still yields the exact mean.
+
+The engine reads finished commits with ``take_commits()`` (it steps the LR
+scheduler and counts ``global_steps`` there) between ``finish_round`` and
+``start_round``, so the next Peek sees the learning rate of its step.
+"""
+
+import functools
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import logger
+
+from ..algorithms.rounds import SYNC, RoundSchedule
+from ..config import ACCOConfig
+from ..runtime.buffers import FlatBuffers, allocated_bytes
+from ..runtime.comm import CommWorker
+from ..runtime.job import CommResult, KeptShard, RoundJob
+from ..runtime.stats import RoundLog
+from ..runtime.update import ShardUpdate
+from . import checkpoint
+from .views import ParamView
+
+
+class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
+    """ZeRO-1 with ACCO rounds. Constructed by ``ACCOEngine`` with all of
+    DeepSpeed's ZeRO-1 arguments plus ``acco_config`` and
+    ``communication_data_type`` (the reduce-scatter dtype)."""
+
+    def __init__(self, *args, acco_config: ACCOConfig, communication_data_type: Optional[torch.dtype] = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.acco = acco_config
+        self.schedule = self._new_schedule()
+
+        from .. import ops
+        self.kernels = ops.load_kernels(acco_config.kernels, self.device)
+        self.update = ShardUpdate(self.optimizer, self.single_partition_of_fp32_groups, self.kernels)
+
+        group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
+        self.world_size = tdist.get_world_size(group)
+        self.rank = tdist.get_rank(group)
+        self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s)
+
+        self.accum_dtype = self.gradient_accumulation_dtype or self.dtype
+        self.comm_dtype = communication_data_type or self.dtype
+        self.buffers = [
+            FlatBuffers(flat.numel(), int(self.partition_size[i]), self.world_size, self.dtype, self.accum_dtype,
+                        self.comm_dtype, flat.device) for i, flat in enumerate(self.bit16_groups_flat)
+        ]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i, offset))
+            for i, params in enumerate(self.round_robin_bit16_groups)
+            for p, offset in zip(params, self.round_robin_bit16_offsets[i])
+        ]
+        self.view = ParamView(self.round_robin_bit16_groups, self.round_robin_bit16_meta,
+                              self.round_robin_bit16_offsets, self.bit16_groups_flat)
+        self.log = RoundLog()
+        self.kept = KeptShard()
+        self.grad_prescale = 1.0  # set by the engine when the caller pre-divided the loss
+        self.local_micro = 0  # micro-batches accumulated in the current round
+        self.round_scale = float(self.loss_scale)  # loss scale of the current round's gradients
+        self.pending: Optional[CommResult] = None  # finished job whose round has not ended yet
+        self._commits: List[CommResult] = []  # finished commits the engine has not taken yet
+        self._handed_next = (0, 1.0)  # (micro-batches, loss scale) of the gradients the next job reduces
+        self._round_start = time.perf_counter()
+        self._round_wait_s = 0.0
+        self._last_backward_end = None
+
+    def _new_schedule(self) -> RoundSchedule:
+        gas = self.gradient_accumulation_steps
+        return RoundSchedule(self.acco.mode, self.acco.micro_batches_per_round(gas), self.acco.max_micro_batches(gas))
+
+    # ------------------------------------------------------------------ hooks
+    def create_gradient_handling_hooks(self):
+        # ZeRO's per-parameter reduction hooks are replaced by ACCO's accumulation hooks.
+        self._grad_acc_hooks = []
+
+    def backward_epilogue(self, *args, **kwargs):
+        pass
+
+    # --------------------------------------------------------- compute side
+    @torch.no_grad()
+    def _accumulate(self, group: int, offset: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: add ``param.grad`` into the accumulator and free it."""
+        dst = self.buffers[group].acc.narrow(0, offset, param.numel())
+        dst.add_(param.grad.reshape(-1), alpha=self.grad_prescale)
+        param.grad = None
+
+    def count_micro_batch(self) -> None:
+        """After a backward: count the micro-batch (its gradients are already in the accumulator)."""
+        self.local_micro += 1
+        em = self.acco.emulation
+        now = time.perf_counter()
+        if em.slow_rank == self.rank and em.slow_factor > 1.0 and self._last_backward_end is not None:
+            time.sleep((em.slow_factor - 1.0) * (now - self._last_backward_end))  # benchmark emulation only
+        self._last_backward_end = time.perf_counter()
+
+    def round_may_end(self) -> bool:
+        return self.schedule.may_end(self.local_micro, self.pending is not None or self.comm.done())
+
+    def _collect(self) -> Optional[CommResult]:
+        """Wait for the in-flight job; a commit is queued for ``take_commits``."""
+        result = self.comm.wait()
+        if result is not None and result.commits:
+            self._commits.append(result)
+        return result
+
+    def peers_state(self):
+        """Collective over the data-parallel group: the highest round index of
+        any rank and the most micro-batches any rank holds in its current round."""
+        t = torch.tensor([self.schedule.index, self.local_micro], dtype=torch.int64, device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.dp_process_group)
+        index, micro = t.tolist()
+        return index, micro
+
+    def take_commits(self) -> List[CommResult]:
+        """Commits finished since the last call, oldest first (each returned once)."""
+        out, self._commits = self._commits, []
+        return out
+
+    def finish_round(self) -> Optional[CommResult]:
+        """End the current round: wait for its communication (sync: run it) and
+        install the gathered parameters as the compute parameters."""
+        self.view.restore()
+        rnd = self.schedule.current
+        self._handed_next = (self.local_micro, self.round_scale)
+        result = None
+        t0 = time.perf_counter()
+        if rnd.kind == SYNC:
+            self._submit(rnd, self._handed_next)
+            result = self._collect()
+        elif rnd.comm is not None:
+            result = self.pending if self.pending is not None else self._collect()
+            self.pending = None
+        wait_s = time.perf_counter() - t0 + self._round_wait_s
+        if result is not None:
+            for flat, buf in zip(self.bit16_groups_flat, self.buffers):
+                flat.copy_(buf.gathered)
+            self._after_result(rnd, result)
+        self.log.record(rnd.index, rnd.kind, self.local_micro, time.perf_counter() - self._round_start, wait_s,
+                        result, counts_previous=rnd.kind != SYNC)
+        return result
+
+    def start_round(self) -> None:
+        """Begin the next round; outside sync mode, hand the finished round's
+        gradients to the communication thread at once."""
+        nxt = self.schedule.advance()
+        self.local_micro = 0
+        self._round_wait_s = 0.0
+        self._round_start = time.perf_counter()
+        self.round_scale = float(self.loss_scale)
+        if nxt.kind != SYNC:
+            self._submit(nxt, self._handed_next)
+
+    def _submit(self, rnd, handed) -> None:
+        for buf in self.buffers:
+            buf.hand_over()
+        local_micro, loss_scale = handed
+        self.comm.submit(RoundJob(rnd, self.buffers, self.single_partition_of_fp32_groups, self.update, self.kept,
+                                  self.comm.group, self.rank, self.world_size, local_micro, loss_scale,
+                                  clip=self.clip_grad, delay_s=self.acco.emulation.comm_delay_s))
+
+    def _after_result(self, rnd, result: CommResult) -> None:
+        """Main-thread bookkeeping of a finished job: loss scale (read by backward), ZeRO's lazy state link."""
+        self.overflow = not result.finite
+        if result.commits and result.finite:
+            self._lazy_init_hp_params_optimizer_state()
+        if result.new_overflow:
+            if self.dynamic_loss_scale:
+                self.loss_scaler.update_scale(True)
+            logger.warning(f"ACCO: non-finite gradients in round {rnd.index} (rank {self.rank}); the update is "
+                           f"skipped on every rank" + (f", loss scale lowered to {self.loss_scale}"
+                                                       if self.dynamic_loss_scale else
+                                                       ": check the learning rate, data and gradient_clipping"))
+        elif result.commits and result.finite and self.dynamic_loss_scale:
+            self.loss_scaler.update_scale(False)
+
+    # ------------------------------------------------- what users read
+    def drain(self) -> None:
+        """Wait for the in-flight communication (its parameters are installed
+        when the round ends)."""
+        if self.comm.busy:
+            self.pending = self._collect()
+
+    def committed_flats(self) -> Optional[List[torch.Tensor]]:
+        """After ``drain()``: the flat buffers that hold the committed
+        weights, when the compute parameters hold something else (an
+        estimate, or the iterate before a finished commit); None when the
+        compute parameters are the committed weights."""
+        if self.pending is not None and self.pending.commits:
+            return [buf.gathered for buf in self.buffers]
+        return None
+
+    def show_committed(self) -> None:
+        """Point the module's parameters at the committed weights (no copy)
+        until ``view.restore()``; nests."""
+        self.drain()
+        self.view.show(self.committed_flats())
+
+    def finalize(self) -> bool:
+        """Install the committed weights of the in-flight commit and restart
+        the rounds (a start-up round comes next). The engine first ends rounds
+        until no gradient is left outside that commit. Returns whether a
+        step was committed."""
+        self.view.restore()
+        self.drain()
+        flats = self.committed_flats()
+        if flats is not None:
+            for flat, src in zip(self.bit16_groups_flat, flats):
+                flat.copy_(src)
+        self._reset_rounds()
+        return flats is not None
+
+    # ---------------------------------------------------------- lifecycle
+    def checkpoint_event_prologue(self):
+        t0 = time.perf_counter()
+        self.drain()
+        self._round_wait_s += time.perf_counter() - t0
+
+    def step(self, closure=None):
+        raise RuntimeError("ACCOZeroOptimizer.step() is driven by the ACCO engine: call engine.step(), "
+                           "not engine.optimizer.step()")
+
+    def destroy(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.comm.close()
+        super().destroy()
+
+    def state_dict(self):
+        self.drain()
+        sd = super().state_dict()
+        sd[checkpoint.ACCO_STATE_KEY] = checkpoint.save_state(self)
+        return sd
+
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                        checkpoint_folder=None, load_serial=None, param_shapes=None):
+        if self.comm.busy:
+            self.comm.wait()
+        self.view.restore()
+        mine = state_dict_list[self.rank] if state_dict_list is not None and self.rank < len(state_dict_list) else {}
+        acco = mine.get(checkpoint.ACCO_STATE_KEY) if load_optimizer_states else None
+        if acco is not None:
+            checkpoint.check_state(self, acco)
+        super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
+                                load_serial, param_shapes)
+        self._reset_rounds()
+        if acco is not None:
+            checkpoint.load_state(self, acco)
+        elif load_optimizer_states and state_dict_list is not None:
+            logger.warning("ACCO: the checkpoint has no ACCO state (saved without ACCO?); rounds restart "
+                           "with a start-up round")
+
+    def _reset_rounds(self):
+        self.schedule = self._new_schedule()
+        self.local_micro = 0
+        for buf in self.buffers:
+            buf.acc.zero_()
+        self.pending = None
+        self.kept.count, self.kept.finite = 0, True
+        self.round_scale = float(self.loss_scale)
+        self._round_start = time.perf_counter()
+
+    # -------------------------------------------------------- observability
+    def round_stats(self) -> dict:
+        t = self.log.summary()
+        t["mode"], t["accumulation"] = self.acco.mode, self.acco.accumulation
+        t["kernels"] = self.kernels.name
+        t["optimizer_update"] = self.update.name
+        t["buffer_bytes"] = self.buffer_bytes()
+        return t
+
+    def buffer_bytes(self) -> dict:
+        """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""
+        return allocated_bytes(self.buffers)
+
+
+__all__ = ["ACCOZeroOptimizer"]

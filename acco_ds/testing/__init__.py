@@ -1,0 +1,1 @@
+"""Test oracles. Production code never imports this package."""
