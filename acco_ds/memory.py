@@ -13,7 +13,8 @@ gradient-accumulation and communication dtypes, Adam:
 
     stock ZeRO-1   bN weights + aN gradients + 16N/W (fp32 master, m, v, fp32 gradient partition)
     ACCO           bN weights + aN accumulator + max(c, b)N communication buffer
-                   + 12N/W (fp32 master, m, v) + 8N/W (two fp32 gradient shards)
+                   + 12N/W (fp32 master, m, v) + 4N/W (fp32 gradient shard)
+                   + cN/W (the estimate round's kept shard, acco mode only)
                    + cN/W (reduce-scatter output, only when c is not fp32)
 
 The ACCO buffer terms come from ``buffers.plan_bytes``, the same function
@@ -38,17 +39,17 @@ def padded_numel(n: int, world_size: int) -> int:
 
 
 def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtype=None,
-                      communication_data_type=None) -> int:
-    """Bytes ACCO allocates for one flat group of ``numel`` (padded) elements."""
+                      communication_data_type=None, mode: str = "acco") -> int:
+    """Bytes ACCO allocates for one flat group of ``numel`` (padded) elements in ``mode``."""
     model = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model
     comm = _dtype(communication_data_type) if communication_data_type is not None else model
-    return sum(plan_bytes(numel, numel // world_size, model, accum, comm).values())
+    return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco").values())
 
 
 def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
-                    dtype="bf16", grad_accum_dtype=None, communication_data_type=None, budget_gb: float = 80.0,
-                    verbose: bool = True) -> dict:
+                    dtype="bf16", grad_accum_dtype=None, communication_data_type=None, mode: str = "acco",
+                    budget_gb: float = 80.0, verbose: bool = True) -> dict:
     """Model-state bytes per rank for stock ZeRO-1 and ACCO.
 
     Args:
@@ -58,6 +59,7 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         dtype: model dtype (``fp32``, ``bf16``, ``fp16``): DeepSpeed's ``bf16``/``fp16`` blocks.
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (default: the model dtype).
         communication_data_type: DeepSpeed's ``communication_data_type`` (default: the model dtype).
+        mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``).
         budget_gb: printed beside the figures (fits / does not fit).
 
     Returns a dict with ``stock_bytes``, ``acco_bytes``, ``extra_bytes`` and the inputs.
@@ -73,8 +75,8 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     padded = padded_numel(n, gpus)
     shards = 12 * padded // gpus  # fp32 master, Adam m and v
     stock = b * padded + a * padded + shards + 4 * padded // gpus
-    acco = b * padded + shards + acco_buffer_bytes(padded, gpus, model_dt, accum, communication_data_type)
-    out = {"params": n, "gpus": gpus, "dtype": str(dtype), "grad_accum_dtype": str(grad_accum_dtype or dtype),
+    acco = b * padded + shards + acco_buffer_bytes(padded, gpus, model_dt, accum, communication_data_type, mode)
+    out = {"params": n, "gpus": gpus, "mode": mode, "dtype": str(dtype), "grad_accum_dtype": str(grad_accum_dtype or dtype),
            "communication_data_type": str(communication_data_type or dtype), "stock_bytes": stock,
            "acco_bytes": acco, "extra_bytes": acco - stock}
     if verbose:
@@ -95,10 +97,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--grad-accum-dtype", choices=list(DTYPES), default=None)
     p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
+    p.add_argument("--mode", choices=["acco", "dpu", "sync"], default="acco")
     p.add_argument("--budget-gb", type=float, default=80.0)
     args = p.parse_args(argv)
     estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
-                    communication_data_type=args.communication_data_type, budget_gb=args.budget_gb)
+                    communication_data_type=args.communication_data_type, mode=args.mode, budget_gb=args.budget_gb)
     return 0
 
 

@@ -33,8 +33,40 @@ def autopatch_lines():
         optout = f"{st['env']!r} (autopatch on)"
     else:
         optout = f"{st['env']!r} (autopatch off: stock DeepSpeed unless acco_ds.patch() or acco_ds.run)"
-    return [f"startup hook ....... {hook}", f"autopatch .......... {st['active']}",
+    active = st["active"]
+    if active.startswith("armed"):
+        active = ("armed: patches deepspeed.initialize when a process first imports deepspeed (a training "
+                  "process does so at its `import deepspeed`; this report process has not yet)")
+    return [f"startup hook ....... {hook}", f"autopatch .......... {active}",
             f"{_autopatch.ENV} .. {optout}"]
+
+
+def patch_line():
+    """Whether deepspeed.initialize is patched in this process, worded so that it reads consistently with
+    the autopatch line: the hook patches at the first ``import deepspeed``, which a report process may not
+    have done yet, so ``False`` here next to ``armed`` is expected, not a contradiction."""
+    import acco_ds
+    if acco_ds.is_patched():
+        return "patch active ....... True (deepspeed.initialize is patched in this process)"
+    try:
+        from acco_ds import _autopatch
+        st = _autopatch.status()
+    except Exception:  # noqa: BLE001 - report, do not crash
+        st = {"active": ""}
+    active = st["active"]
+    if active.startswith("armed"):
+        why = ("not yet in this report process, which has not imported deepspeed; the startup hook (autopatch, "
+               "below) patches deepspeed.initialize when a process imports deepspeed, so training processes are "
+               "patched")
+    elif active.startswith("off"):
+        why = "autopatch is off: only acco_ds.patch(), acco_ds.initialize or python -m acco_ds.run use ACCO"
+    elif active.startswith("fired"):
+        why = "acco_ds.unpatch() was called in this process"
+    elif active.startswith("failed"):
+        why = "the startup hook failed to patch (see autopatch below)"
+    else:
+        why = "no startup hook in this process: call acco_ds.patch() or launch with python -m acco_ds.run"
+    return f"patch active ....... False ({why})"
 
 
 def _ops_table(torch):
@@ -86,7 +118,7 @@ def main(argv=None):
     for pkg in ("torch", "deepspeed", "pydantic", "ninja"):
         print(f"{pkg:.<20} {_version(pkg)}")
     print(f"CUDA available ..... {torch.cuda.is_available()}")
-    print(f"patch active ....... {acco_ds.is_patched()} (acco_ds.patch() in this process)")
+    print(patch_line())
     try:
         for line in autopatch_lines():
             print(line)

@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py [--n_layer 8 --n_embd 448 --steps 4]
     python benchmarks/memory.py --convergence [--steps 150]   # bf16 vs fp32 accumulation, same data
+    python benchmarks/memory.py --workload states [--steps 4]  # model-states workload (issue 19, item 7)
 
 For each precision (fp32 model; bf16 model; bf16 model with
 ``data_types.grad_accum_dtype = "fp32"``) it runs examples/train_gpt.py for a
@@ -13,6 +14,15 @@ process's peak resident memory (``ru_maxrss``; on a GPU also
 ``acco_ds.memory`` next to them, and the budget of issue 8:
 ACCO peak - stock peak <= 1.25 x bN + 32 MB. Results go to
 benchmarks/results/memory.json.
+
+``--workload states``: a model whose peak is model states, not activations (about 21M
+parameters: embedding 4096x1024 tied as the output head and four 1024<->4096 linears;
+micro-batch 2 x 8 tokens, accumulation 2; AdamW; 2 ranks), fp32 and bf16, stock ZeRO-1 and
+ACCO side by side: peak RSS of each rank and, on rank 0, RSS at phases (after initialize, after
+the first backward, after the first optimizer step, end), against the budget
+ACCO - stock <= 1.5 x bN + 64 MB. It runs ``benchmarks/memory_probe.py``'s workers (that script
+also attributes the bytes to buffers); results go to benchmarks/results/memory_states.json.
+An activation-heavy peak (the GPT) hides ACCO's buffers; this one does not.
 
 Stock ZeRO-1 has no stage-1 path for bf16 + fp32 accumulation (DeepSpeed
 switches to BF16_Optimizer); that row compares with stock bf16 ZeRO-1.
@@ -93,12 +103,65 @@ def convergence(args):
     json.dump({"rows": rows, "command": cmd, "torch": torch.__version__}, open(out, "w"), indent=1)
 
 
+def states_workload(args):
+    """The model-states workload (see the module docstring), fp32 and bf16, stock vs ACCO."""
+    import torch
+
+    import memory_probe as probe
+    tmp = tempfile.mkdtemp(prefix="acco_memstates_")
+    rows, port = [], args.port
+    for dtype in ("fp32", "bf16"):
+        stock = probe.launch("stock", dtype, args.steps, "", port, tmp)
+        acco = probe.launch("acco", dtype, args.steps, "", port + 1, tmp)
+        port += 2
+        n, b = stock[0]["n_params"], 4 if dtype == "fp32" else 2
+        budget = (1.5 * b * n) / 2**20 + 64
+        rows.append({"dtype": dtype, "n_params": n, "b": b, "bN_mb": b * n / 2**20, "budget_mb": budget,
+                     "stock_peak_mb": [r["phases"]["end"]["peak"] / 2**20 for r in stock],
+                     "acco_peak_mb": [r["phases"]["end"]["peak"] / 2**20 for r in acco],
+                     "phases": {ph: {"stock_rss_mb": stock[0]["phases"][ph]["rss"] / 2**20,
+                                     "stock_peak_mb": stock[0]["phases"][ph]["peak"] / 2**20,
+                                     "acco_rss_mb": acco[0]["phases"][ph]["rss"] / 2**20,
+                                     "acco_peak_mb": acco[0]["phases"][ph]["peak"] / 2**20}
+                                for ph in ("after initialize", "after first backward", "after first optimizer step",
+                                           "end")},
+                     "acco_buffers": acco[0]["buffer_bytes"]})
+    n = rows[0]["n_params"]
+    print(f"\nModel-states workload: {n / 1e6:.2f}M parameters (embedding 4096x1024 tied head, four 1024<->4096 "
+          f"linears), micro-batch 2 x 8 tokens x 2 accumulation, AdamW, 2 ranks (gloo, DS_ACCELERATOR=cpu), "
+          f"{args.steps} steps; torch {torch.__version__}, {os.cpu_count()} cores")
+    print("| model | bN (MB) | stock peak RSS rank 0 / 1 (MB) | ACCO peak RSS rank 0 / 1 (MB) | "
+          "ACCO - stock, worst rank (MB) | ACCO - stock / bN | budget 1.5 bN + 64 (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        extra = max(a - s for a, s in zip(r["acco_peak_mb"], r["stock_peak_mb"]))
+        r["extra_mb"] = extra
+        print(f"| {r['dtype']} | {r['bN_mb']:.0f} | {r['stock_peak_mb'][0]:.0f} / {r['stock_peak_mb'][1]:.0f} | "
+              f"{r['acco_peak_mb'][0]:.0f} / {r['acco_peak_mb'][1]:.0f} | {extra:+.0f} | "
+              f"{extra / r['bN_mb']:.2f} | {r['budget_mb']:.0f} |")
+    print("\nRank 0 by phase, RSS now / peak so far (MB):")
+    print("| model | phase | stock | ACCO | ACCO - stock (peak) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        for ph, v in r["phases"].items():
+            print(f"| {r['dtype']} | {ph} | {v['stock_rss_mb']:.0f} / {v['stock_peak_mb']:.0f} | "
+                  f"{v['acco_rss_mb']:.0f} / {v['acco_peak_mb']:.0f} | {v['acco_peak_mb'] - v['stock_peak_mb']:+.0f} |")
+    cmd = f"python benchmarks/memory.py --workload states --steps {args.steps}"
+    print(f"command: {cmd}")
+    out = Path(args.out).with_name("memory_states.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__, "cores": os.cpu_count()},
+              open(out, "w"), indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n_layer", type=int, default=8)
     p.add_argument("--n_embd", type=int, default=448)
     p.add_argument("--steps", type=int, default=None, help="default 4 (memory), 150 (--convergence)")
     p.add_argument("--convergence", action="store_true")
+    p.add_argument("--workload", default="gpt", choices=["gpt", "states"],
+                   help="gpt: examples/train_gpt.py (activation-heavy); states: few large layers (model states)")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.json"))
     args = p.parse_args()
@@ -106,6 +169,9 @@ def main():
         args.steps = args.steps or 150
         return convergence(args)
     args.steps = args.steps or 4
+    if args.workload == "states":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        return states_workload(args)
     import torch
 
     from acco_ds.memory import acco_buffer_bytes, padded_numel

@@ -145,6 +145,12 @@ def test_report_shows_the_hook(hook_installed):
     assert "autopatch .......... armed" in out and "ACCO_DS_AUTOPATCH .. unset (autopatch on)" in out, out
     out = run([sys.executable, "-c", code], timeout=120, env={"ACCO_DS_AUTOPATCH": "0"}).stdout
     assert "autopatch .......... off (ACCO_DS_AUTOPATCH=0)" in out and "'0' (autopatch off" in out, out
+    # "patch active: False" beside "armed" must not read as a contradiction: the report says why.
+    code2 = ("from acco_ds.report import patch_line, autopatch_lines; print(patch_line()); "
+             "print('\\n'.join(autopatch_lines()))")
+    out = run([sys.executable, "-c", code2], timeout=120).stdout
+    assert "patch active ....... False (not yet in this report process, which has not imported deepspeed" in out, out
+    assert "armed: patches deepspeed.initialize when a process first imports deepspeed" in out, out
 
 
 PLAIN_SCRIPT = '''

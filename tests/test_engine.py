@@ -123,6 +123,38 @@ def test_adaptive_accumulation_absorbs_slow_communication_and_unequal_workers():
     assert r["stats"]["accumulation"] == "adaptive"
 
 
+@pytest.mark.parametrize("launch_index", range(5))
+def test_adaptive_reads_mid_training_never_deadlock(tmp_path, launch_index):
+    """Adaptive accumulation, rank 1 slower: state_dict, eval with an all-reduce and save_checkpoint every
+    3 micro-batches, then the end of training. Ranks end rounds on their own, so a read must first align
+    them. Every launch finishes (timeout_s 60 turns a deadlock into a failure), both ranks read the same
+    committed step, finalize drops nothing, and a resume from the mid-training checkpoint continues."""
+    acco = {"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 6, "timeout_s": 60,
+            "emulation": {"comm_delay_s": 0.01 * (1 + launch_index % 3), "slow_rank": 1, "slow_factor": 3.0}}
+    cfg = common.ds_config(acco=acco)
+    ckpt = str(tmp_path / "ckpt")
+    spec = dict(config=cfg, steps=6, read_every=3, save=ckpt, save_at_read=3, finalize=True, pg_timeout=60)
+    r0, r1 = [res[0] for res in launch({"runs": [spec]}, world_size=W, timeout=150)]
+    assert len(r0["reads"]) == len(r1["reads"]) >= 6
+    for a, b in zip(r0["reads"], r1["reads"]):
+        assert a["global_steps"] == b["global_steps"] and torch.equal(a["state_dict"], b["state_dict"]), \
+            "ranks read different committed weights"
+        assert a["val_loss"] == b["val_loss"]
+    assert torch.equal(r0["final_params"], r1["final_params"])
+    assert r0["stats"]["micro_batches"] == r0["micro"], "finalize left micro-batches unapplied"
+    saved = r0["reads"][3]
+    assert saved.get("saved")
+    if launch_index:
+        return  # one resume is enough: the launches differ only in timing
+    resumed = launch({"runs": [dict(config=cfg, steps=saved["global_steps"] + 3, load=ckpt, pg_timeout=60)]},
+                     world_size=W, timeout=150)
+    for res in resumed:
+        loaded = res[0]["loaded"]
+        assert loaded["global_steps"] == saved["global_steps"]
+        assert torch.equal(loaded["params"], saved["state_dict"]), "the checkpoint holds other weights than read"
+        assert res[0]["global_steps"] == saved["global_steps"] + 3
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     """N steps, save (right after a commit, and in the middle of a round),
     fresh processes load and continue: same parameters as 2N uninterrupted."""

@@ -17,6 +17,7 @@ import types
 import pytest
 
 from acco_ds import ops
+from acco_ds.deepspeed.initialize import guard_deepspeed_shm_op
 from acco_ds.ops import builder as builder_mod
 from deepspeed.ops.op_builder.builder import OpBuilder
 
@@ -36,6 +37,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "0.5")
     monkeypatch.setenv(builder_mod.JIT_STALE_ENV, "600")
+    monkeypatch.setenv(builder_mod.JIT_IDLE_ENV, "600")
     monkeypatch.setattr(builder_mod._AccoOpBuilder, "aot_module", lambda self: None)
     builds = []
 
@@ -249,8 +251,8 @@ def test_deepspeeds_own_cpu_op_build_cannot_hang_either(tmp_path, monkeypatch, c
     monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "0.5")
     calls = []
     monkeypatch.setattr(ds_torch, "build_shm_op", lambda: calls.append("built") or "op")
-    builder_mod.guard_deepspeed_shm_op()
-    builder_mod.guard_deepspeed_shm_op()  # idempotent
+    guard_deepspeed_shm_op()
+    guard_deepspeed_shm_op()  # idempotent
     assert ds_torch.build_shm_op.__wrapped__.__name__ == "<lambda>"
     name = get_accelerator().create_op_builder("ShareMemCommBuilder").name
     lock = builder_mod.JitBuildLock.for_op(name)
@@ -270,3 +272,182 @@ def test_deepspeeds_own_cpu_op_build_cannot_hang_either(tmp_path, monkeypatch, c
         assert ds_torch.build_shm_op() is None and calls == ["built"]
     assert time.monotonic() - start < 10
     assert "runs without it" in caplog.text and lock.lock_path in caplog.text
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 19 (6): the wait says at once what it waits for, and an idle build directory makes an
+# ownerless lock stale long before ACCO_JIT_STALE_S.
+
+NOTICE = "waiting for the JIT build lock"
+
+
+def wait_in_thread(lock, wait_s):
+    """Run ``lock.wait(wait_s)`` in a thread; returns (thread, outcome dict)."""
+    import threading
+    outcome = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            lock.wait(wait_s)
+            outcome["result"] = "free"
+        except builder_mod.JitLockTimeout as err:
+            outcome["result"] = err
+        outcome["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def first_notice_after(caplog, start, limit_s):
+    """Seconds after ``start`` when the waiting notice was logged, or None within ``limit_s``."""
+    while time.monotonic() - start < limit_s:
+        if any(NOTICE in r.getMessage() for r in acco_warnings(caplog)):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("owned", [False, True])
+def test_wait_says_at_once_what_it_waits_for(env, caplog, owned):
+    """The notice names the lock, its holder, the bound and the fix within a couple of seconds,
+    not after the bound (30 s here); the wait then goes on until the lock is released."""
+    plant(env.lock, owner=(os.getpid(), socket.gethostname()) if owned else None)
+    lock = builder_mod.JitBuildLock.for_op(NAME)
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        start = time.monotonic()
+        thread, outcome = wait_in_thread(lock, 30)
+        seen = first_notice_after(caplog, start, 10)
+        assert seen is not None and seen < 3, [r.getMessage() for r in acco_warnings(caplog)]
+        assert thread.is_alive()  # still waiting: the notice came first
+        env.lock.release()
+        thread.join(10)
+    assert outcome["result"] == "free" and outcome["elapsed"] < 10
+    notices = [r.getMessage() for r in acco_warnings(caplog) if NOTICE in r.getMessage()]
+    assert len(notices) == 1, notices
+    msg = notices[0]
+    assert env.lock.lock_path in msg
+    assert f"If no build of this op is running, delete {env.lock.lock_path}" in msg
+    assert "at most 30 s" in msg and builder_mod.JIT_WAIT_ENV in msg
+    if owned:
+        assert f"held by process {os.getpid()}" in msg
+    else:
+        assert "no owner record" in msg and "torch's own build lock" in msg
+        assert builder_mod.JIT_IDLE_ENV in msg and "600 s" in msg  # when it will count as stale
+
+
+@pytest.mark.timeout(60)
+def test_notice_reaches_stderr_at_deepspeeds_default_level(env, tmp_path):
+    """In a process that imported deepspeed and configured no logging (a rank process), the notice is
+    printed on stderr at once, before the bounded wait ends."""
+    script = tmp_path / "waiter.py"
+    script.write_text(
+        "import sys, time, types\n"
+        "import deepspeed\n"
+        "from acco_ds.ops import builder as b\n"
+        "b._AccoOpBuilder.aot_module = lambda self: None\n"
+        "b._AccoOpBuilder.jit_load = lambda self, verbose=True: types.SimpleNamespace()\n"
+        "print('ready', flush=True)\n"
+        "b.AccoCPUOpBuilder().load()\n"
+        "print('loaded', flush=True)\n")
+    plant(env.lock)  # ownerless, fresh: what torch's own baton leaves
+    env_vars = dict(os.environ, **{builder_mod.JIT_WAIT_ENV: "40", builder_mod.JIT_IDLE_ENV: "600",
+                                   "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, str(script)], env=env_vars, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        ready = time.monotonic()
+        line = ""
+        while NOTICE not in line:
+            line = proc.stderr.readline()
+            assert line, "stderr closed without the notice"
+        assert time.monotonic() - ready < 5
+        assert env.lock.lock_path in line and "delete" in line and "40 s" in line
+        assert proc.poll() is None  # still waiting
+        env.lock.release()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "loaded" in out, err
+
+
+@pytest.mark.timeout(60)
+def test_idle_ownerless_lock_is_cleared_early(env, caplog, monkeypatch):
+    """No process in the build directory and nothing changing there for ACCO_JIT_IDLE_S: stale, long
+    before ACCO_JIT_STALE_S (600 s) and the bound (30 s)."""
+    monkeypatch.setenv(builder_mod.JIT_IDLE_ENV, "1.5")
+    monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "30")
+    plant(env.lock)  # fresh, ownerless
+    assert env.lock.local_fs()  # pytest's tmp_path
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="acco_ds"):
+        assert ops.load_kernels("auto", "cpu").name == "native-cpu"
+    elapsed = time.monotonic() - start
+    assert 1.0 <= elapsed < 10, elapsed
+    assert len(env.builds) == 1 and not env.lock.held()
+    stale = [r.getMessage() for r in acco_warnings(caplog) if "removing the stale" in r.getMessage()]
+    assert len(stale) == 1 and env.lock.lock_path in stale[0] and builder_mod.JIT_IDLE_ENV in stale[0], stale
+
+
+@pytest.mark.timeout(60)
+def test_lock_with_changing_build_directory_is_waited_on(env, caplog, monkeypatch):
+    """A build that keeps writing in its directory is not stale, however short ACCO_JIT_IDLE_S: the wait
+    runs to its bound and leaves the lock alone."""
+    import threading
+    monkeypatch.setenv(builder_mod.JIT_IDLE_ENV, "1")
+    monkeypatch.setenv(builder_mod.JIT_WAIT_ENV, "4")
+    plant(env.lock)
+    stop = threading.Event()
+
+    def building():
+        i = 0
+        while not stop.is_set():
+            with open(os.path.join(env.lock.build_dir, f"obj{i % 3}.o"), "w") as f:
+                f.write(str(i))
+            i += 1
+            stop.wait(0.3)
+
+    writer = threading.Thread(target=building, daemon=True)
+    writer.start()
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="acco_ds"):
+            assert ops.load_kernels("auto", "cpu") is ops.TORCH  # bound reached: falls back
+        assert time.monotonic() - start >= 3.5
+    finally:
+        stop.set()
+        writer.join()
+    assert env.lock.held() and env.builds == []
+    messages = [r.getMessage() for r in acco_warnings(caplog)]
+    assert not any("removing the stale" in m for m in messages), messages
+    assert any(NOTICE in m for m in messages) and any("pure-torch" in m for m in messages), messages
+
+
+@pytest.mark.timeout(60)
+def test_process_working_in_build_directory_keeps_lock(env, monkeypatch):
+    """ninja and the compilers run with the build directory as working directory: while such a process
+    lives, an ownerless lock is not stale even when nothing changes there (a long compile); once it is
+    gone, the idle lock is."""
+    monkeypatch.setenv(builder_mod.JIT_IDLE_ENV, "1")
+    plant(env.lock, age_s=3600)  # idle for an hour, older than ACCO_JIT_STALE_S too
+    lock = builder_mod.JitBuildLock.for_op(NAME)
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=lock.build_dir)
+    try:
+        deadline = time.monotonic() + 10
+        while not any(pid == compiler.pid for pid, _ in lock.build_processes() or []):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+            lock._scan = (-1e9, None)
+        assert lock.stale_reason() is None
+        assert "building in it now" in lock.describe() and str(compiler.pid) in lock.describe()
+    finally:
+        compiler.kill()
+        compiler.wait()
+    lock._scan = (-1e9, None)
+    reason = lock.stale_reason()
+    assert reason is not None and "no owner record" in reason

@@ -43,6 +43,23 @@ def flat(module):
     return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
 
 
+def read_everything(engine, spec, rank, micro, out):
+    """What users read mid-training: state_dict, an evaluation with a collective, a checkpoint."""
+    import torch.distributed as dist
+    state = torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()])
+    seen = {"micro": micro, "global_steps": engine.global_steps, "state_dict": state}  # after the read commits
+    engine.eval()
+    with torch.no_grad():
+        val = torch.tensor([float(common.loss_fn(engine, common.micro_batch(rank, 99_999)))])
+    dist.all_reduce(val)
+    engine.train()
+    seen["val_loss"] = float(val) / dist.get_world_size()
+    if spec.get("save") and len(out.setdefault("reads", [])) == spec.get("save_at_read", 0):
+        engine.save_checkpoint(spec["save"], client_state={"micro": micro})
+        seen["saved"] = True
+    out["reads"].append(seen)
+
+
 def run(spec, rank, world):
     import deepspeed
 
@@ -79,6 +96,9 @@ def run(spec, rank, world):
         _, client = engine.load_checkpoint(spec["load"])
         micro = client["micro"]
         spec["start_step"] = engine.global_steps
+        out["loaded"] = {"global_steps": engine.global_steps,  # what a user reads: the committed weights
+                         "params": torch.cat([t.detach().float().reshape(-1)
+                                              for t in engine.module.state_dict().values()])}
     target = spec["steps"]
     last = engine.global_steps
 
@@ -114,6 +134,8 @@ def run(spec, rank, world):
             one_micro_batch()
             engine.step()
             record()  # stock DeepSpeed updates in step(), ACCO when a round ends in backward
+            if spec.get("read_every") and micro % spec["read_every"] == 0:
+                read_everything(engine, spec, rank, micro, out)
         else:  # Accelerate / HF Trainer / Megatron: boundary set explicitly, step() once per gas micro-batches
             if drive == "megatron":
                 engine.set_train_batch_size(gbs)
@@ -137,7 +159,7 @@ def run(spec, rank, world):
                 seen["compute"] = flat(engine.module)
                 seen["global_steps_after"] = engine.global_steps
                 out.setdefault("inspect", []).append(seen)
-    if spec.get("save"):
+    if spec.get("save") and not spec.get("read_every"):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
         out["saved_global_steps"] = engine.global_steps
     if spec.get("finalize"):

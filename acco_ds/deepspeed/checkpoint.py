@@ -8,6 +8,10 @@ module weights in the checkpoint are the committed ones), and a finished
 commit whose parameters are not installed yet.
 """
 
+import contextlib
+import os
+import re
+import shutil
 from dataclasses import asdict
 
 from ..config import checkpoint_mismatch
@@ -44,6 +48,15 @@ def save_state(opt) -> dict:
     }
 
 
+def find_state(opt, state_dict_list):
+    """This rank's ACCO state in the loaded optimizer states (None: saved without ACCO), checked."""
+    mine = state_dict_list[opt.rank] if state_dict_list is not None and opt.rank < len(state_dict_list) else {}
+    acco = mine.get(ACCO_STATE_KEY)
+    if acco is not None:
+        check_state(opt, acco)
+    return acco
+
+
 def check_state(opt, acco: dict) -> None:
     """Refuse a checkpoint whose in-flight rounds cannot continue here."""
     if acco["world_size"] != opt.world_size:
@@ -77,4 +90,60 @@ def load_state(opt, acco: dict) -> None:
             collectives.all_gather(buf.gathered, out, group)
 
 
-__all__ = ["ACCO_STATE_KEY", "save_state", "check_state", "load_state"]
+# What a failed peer looks like from this rank: the communication thread's own wrapped error, or the
+# transport's (gloo, NCCL) when a main-thread collective of DeepSpeed's hits the dead peer first.
+_PEER_FAILURE = re.compile(r"ACCO communication failed|Connection closed|Connection reset|Broken pipe|"
+                           r"Timed out waiting|connectFullMesh|NCCL (error|communicator)|ProcessGroup", re.I)
+_DISK_FAILURE = re.compile(r"No space left|inline_container|PytorchStreamWriter|unexpected pos|Disk quota", re.I)
+
+
+def _free_space(path) -> str:
+    try:
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        return f"{shutil.disk_usage(probe or '.').free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def save_errors(save_dir):
+    """Name the real cause of a failed save: a failed peer, or the disk."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        text = f"{type(err).__name__}: {err}"
+        if _PEER_FAILURE.search(text) and not isinstance(err, OSError):
+            raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed because another rank failed or "
+                               f"lost its network during the save ({text}). Check the other ranks' logs, then "
+                               f"relaunch and load the previous checkpoint ('latest' was not moved)") from err
+        if isinstance(err, OSError) or _DISK_FAILURE.search(text):
+            raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed, is the disk full? (free space "
+                               f"there: {_free_space(save_dir)}; {text}). The previous checkpoint is intact "
+                               f"('latest' was not moved); delete the partial tag folder and free space or save "
+                               f"elsewhere") from err
+        raise
+
+
+@contextlib.contextmanager
+def load_errors(load_dir, tag):
+    """Name the real cause of a failed load: another world size, or a damaged file."""
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    try:
+        yield
+    except ZeRORuntimeException as err:
+        sizes = re.search(r"world size of (\d+) but the current world size is (\d+)", str(err))
+        if sizes is None:
+            raise
+        raise ValueError(f"ACCO: {checkpoint_mismatch('data-parallel world size', *sizes.groups())}. "
+                         f"DeepSpeed: {err}") from err
+    except (OSError, EOFError, RuntimeError) as err:
+        if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
+            raise
+        raise RuntimeError(f"ACCO: could not read the checkpoint in {load_dir} (tag {tag or 'latest'}): "
+                           f"{type(err).__name__}: {err}. A file is probably truncated or corrupted: load an "
+                           f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err
+
+
+__all__ = ["ACCO_STATE_KEY", "save_state", "find_state", "check_state", "load_state", "save_errors", "load_errors"]

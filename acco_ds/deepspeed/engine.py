@@ -30,7 +30,6 @@ optimizer divides the reduced gradient sum by the global micro-batch count.
 
 import contextlib
 import functools
-import re
 
 import deepspeed.runtime.engine as ds_engine
 import torch
@@ -38,10 +37,11 @@ import torch.distributed as tdist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist, logger
 
-from ..config import check_deepspeed_config, checkpoint_mismatch, parse_acco_config
+from ..config import check_deepspeed_config, parse_acco_config
 from ..algorithms.rounds import COMMIT
 from ..runtime.dtypes import dtype_name
 from ..runtime.job import CommResult
+from . import checkpoint
 from .zero1 import ACCOZeroOptimizer
 
 
@@ -164,7 +164,6 @@ class ACCOEngine(DeepSpeedEngine):
         index, micro = opt.peers_state()
         if index > opt.schedule.index:  # at most one round behind: jobs pair ranks round by round
             self._acco_end_round()
-            micro = opt.peers_state()[1]
         return micro
 
     def _acco_count_commits(self) -> None:
@@ -239,39 +238,15 @@ class ACCOEngine(DeepSpeedEngine):
         self._acco_count_commits()
 
     def save_checkpoint(self, save_dir, *args, **kwargs):
-        with self.acco_committed_weights():
-            try:
-                return super().save_checkpoint(save_dir, *args, **kwargs)
-            except (OSError, RuntimeError) as err:
-                # torch's own messages (e.g. "[enforce fail at inline_container.cc] unexpected pos") do not
-                # say that the disk is full or where.
-                free = _free_bytes(save_dir)
-                raise RuntimeError(f"ACCO: save_checkpoint into {save_dir} failed, is the disk full? (free space "
-                                   f"there: {free}; {type(err).__name__}: {err}). The previous checkpoint is "
-                                   f"intact ('latest' was not moved); delete the partial tag folder and free "
-                                   f"space or save elsewhere") from err
+        with self.acco_committed_weights(), checkpoint.save_errors(save_dir):
+            return super().save_checkpoint(save_dir, *args, **kwargs)
 
     def load_checkpoint(self, load_dir, *args, **kwargs):
-        from deepspeed.runtime.zero.utils import ZeRORuntimeException
         opt = self.optimizer
         if isinstance(opt, ACCOZeroOptimizer) and opt.schedule.adaptive:
             self._acco_align_rounds()  # the in-flight job must be one every rank submitted
-        try:
+        with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None)):
             out = super().load_checkpoint(load_dir, *args, **kwargs)
-        except ZeRORuntimeException as err:
-            if "world size" not in str(err):
-                raise
-            sizes = re.search(r"world size of (\d+) but the current world size is (\d+)", str(err))
-            saved, now = sizes.groups() if sizes else ("another", self.dp_world_size)
-            raise ValueError(f"ACCO: {checkpoint_mismatch('data-parallel world size', saved, now)}. "
-                             f"DeepSpeed: {err}") from err
-        except (OSError, EOFError, RuntimeError) as err:
-            if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
-                raise
-            tag = kwargs.get("tag") or (args[0] if args else None)
-            raise RuntimeError(f"ACCO: could not read the checkpoint in {load_dir} (tag {tag or 'latest'}): "
-                               f"{type(err).__name__}: {err}. A file is probably truncated or corrupted: load an "
-                               f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports
         # that step as applied at its next step(), so the resumed run does too.
         pending = self.optimizer.pending
@@ -320,18 +295,6 @@ class ACCOEngine(DeepSpeedEngine):
                 logger.warning(f"ACCO: could not commit the last step while destroying the engine: {err}")
             opt.comm.close()
         super().destroy()
-
-
-def _free_bytes(path) -> str:
-    import os
-    import shutil
-    try:
-        probe = path
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        return f"{shutil.disk_usage(probe or '.').free / 2**20:.1f} MiB"
-    except OSError:
-        return "unknown"
 
 
 def _say(msg: str) -> None:

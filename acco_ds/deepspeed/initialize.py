@@ -8,7 +8,10 @@ scripts, Hugging Face Trainer/Accelerate, Megatron-DeepSpeed).
 
 import contextlib
 import inspect
+import logging
 import threading
+
+logger = logging.getLogger("acco_ds")
 
 _lock = threading.RLock()
 _original_initialize = None  # deepspeed.initialize before patch()
@@ -80,10 +83,44 @@ def patch() -> None:
         initialize_with_acco._acco_patch = True
         deepspeed.initialize = initialize_with_acco
         try:  # DeepSpeed's own CPU op build must not hang a start either
-            from ..ops.builder import guard_deepspeed_shm_op
             guard_deepspeed_shm_op()
         except Exception:  # noqa: BLE001 - a DeepSpeed without that op: nothing to guard
             pass
+
+
+def guard_deepspeed_shm_op() -> None:
+    """Make DeepSpeed's own CPU op build unable to hang, like ours.
+
+    DeepSpeed's CPU backend JIT-builds its shared-memory collective op in every
+    process that initializes ``deepspeed.comm`` (``deepspeed.comm.torch.build_shm_op``);
+    a process killed during that build hangs every later start on the same
+    ``FileBaton`` lock. Wrapped here: stale locks are cleared, the wait is
+    bounded, and on a timeout DeepSpeed goes on without the op (it accepts None,
+    as it does where the op is not compatible) after one warning. Idempotent."""
+    import importlib
+
+    from ..ops.builder import JitBuildLock, JitLockTimeout, bounded_torch_baton
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # not deepspeed.comm.torch: that name is torch
+    original = ds_torch.build_shm_op
+    if getattr(original, "_acco_guarded", False):
+        return
+
+    def build_shm_op():
+        from deepspeed.accelerator import get_accelerator
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None:
+            return original()
+        try:
+            JitBuildLock.for_op(builder.name).wait()
+            with bounded_torch_baton():
+                return original()
+        except JitLockTimeout as err:
+            logger.warning(f"acco_ds: DeepSpeed's shared-memory op is not loaded ({err}); DeepSpeed runs without it")
+            return None
+
+    build_shm_op._acco_guarded = True
+    build_shm_op.__wrapped__ = original
+    ds_torch.build_shm_op = build_shm_op
 
 
 def unpatch() -> None:

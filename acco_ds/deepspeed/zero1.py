@@ -69,7 +69,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.comm_dtype = communication_data_type or self.dtype
         self.buffers = [
             FlatBuffers(flat.numel(), int(self.partition_size[i]), self.world_size, self.dtype, self.accum_dtype,
-                        self.comm_dtype, flat.device) for i, flat in enumerate(self.bit16_groups_flat)
+                        self.comm_dtype, flat.device, keep_shard=acco_config.mode == "acco")
+            for i, flat in enumerate(self.bit16_groups_flat)
         ]
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i, offset))
@@ -131,11 +132,11 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def peers_state(self):
         """Collective over the data-parallel group: the highest round index of
-        any rank and the most micro-batches any rank holds in its current round."""
-        t = torch.tensor([self.schedule.index, self.local_micro], dtype=torch.int64, device=self.device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.dp_process_group)
-        index, micro = t.tolist()
-        return index, micro
+        any rank, and the most micro-batches held by a rank in that round."""
+        key = torch.tensor([(self.schedule.index << 32) + self.local_micro], dtype=torch.int64, device=self.device)
+        tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=self.dp_process_group)
+        value = int(key.item())
+        return value >> 32, value & 0xFFFFFFFF
 
     def take_commits(self) -> List[CommResult]:
         """Commits finished since the last call, oldest first (each returned once)."""
@@ -263,10 +264,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         if self.comm.busy:
             self.comm.wait()
         self.view.restore()
-        mine = state_dict_list[self.rank] if state_dict_list is not None and self.rank < len(state_dict_list) else {}
-        acco = mine.get(checkpoint.ACCO_STATE_KEY) if load_optimizer_states else None
-        if acco is not None:
-            checkpoint.check_state(self, acco)
+        acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
                                 load_serial, param_shapes)
         self._reset_rounds()
@@ -288,12 +286,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     # -------------------------------------------------------- observability
     def round_stats(self) -> dict:
-        t = self.log.summary()
-        t["mode"], t["accumulation"] = self.acco.mode, self.acco.accumulation
-        t["kernels"] = self.kernels.name
-        t["optimizer_update"] = self.update.name
-        t["buffer_bytes"] = self.buffer_bytes()
-        return t
+        return dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
+                    kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes())
 
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""

@@ -45,14 +45,15 @@ import torch
 from .dtypes import size as _size
 
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
-               comm_dtype: torch.dtype) -> Dict[str, int]:
+               comm_dtype: torch.dtype, keep_shard: bool = True) -> Dict[str, int]:
     """Bytes of each buffer ``FlatBuffers`` allocates for one group (the
-    memory plan; ``acco_ds.memory`` and the tests use the same function)."""
+    memory plan; ``acco_ds.memory`` and the tests use the same function).
+    ``keep_shard``: the mode has estimate rounds (``acco``) and so a kept shard."""
     return {
         "accumulator": numel * _size(accum_dtype),
         "communication": numel * max(_size(comm_dtype), _size(model_dtype)),
         "reduced": 0 if comm_dtype == torch.float32 else partition * _size(comm_dtype),
-        "shards": partition * (4 + _size(comm_dtype)),
+        "shards": partition * (4 + (_size(comm_dtype) if keep_shard else 0)),
     }
 
 
@@ -67,19 +68,22 @@ class FlatBuffers:
     accum_dtype: torch.dtype
     comm_dtype: torch.dtype
     device: torch.device
+    keep_shard: bool = True  # acco mode: estimate rounds keep their reduced shard
 
     def __post_init__(self):
         if self.numel != self.partition * self.world_size:
             raise ValueError(f"flat buffer of {self.numel} elements does not split into {self.world_size} "
                              f"partitions of {self.partition}")
-        zeros = lambda n, dtype: torch.zeros(n, dtype=dtype, device=self.device)  # noqa: E731
-        self.acc = zeros(self.numel, self.accum_dtype)
+        # Only the accumulator must start zeroed; every other buffer is written before it is read, and
+        # torch.empty leaves the pages untouched (no resident memory) until the first round uses them.
+        empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)  # noqa: E731
+        self.acc = torch.zeros(self.numel, dtype=self.accum_dtype, device=self.device)
         # The communication buffer holds numel elements of the wider of the two dtypes it is read as.
         wide = self.comm_dtype if _size(self.comm_dtype) >= _size(self.model_dtype) else self.model_dtype
-        self.comm = zeros(self.numel, wide)
-        self._reduced = None if self.comm_dtype == torch.float32 else zeros(self.partition, self.comm_dtype)
-        self.shard = zeros(self.partition, torch.float32)
-        self.kept = zeros(self.partition, self.comm_dtype)
+        self.comm = empty(self.numel, wide)
+        self._reduced = None if self.comm_dtype == torch.float32 else empty(self.partition, self.comm_dtype)
+        self.shard = empty(self.partition, torch.float32)
+        self.kept = torch.zeros(self.partition if self.keep_shard else 0, dtype=self.comm_dtype, device=self.device)
         self.kept_scale = 1.0  # what ``kept`` is multiplied by to give the fp32 gradient sum
         self.swap_roles = self.accum_dtype == self.comm_dtype == self.comm.dtype
 

@@ -35,6 +35,8 @@ from ..algorithms.rounds import COMMIT, Round
 from . import collectives
 from .update import clip_coefficient
 
+NORM_CHUNK = 1 << 16  # elements per float64 norm chunk (512 KiB temporary)
+
 
 @dataclass
 class Phases:
@@ -169,7 +171,13 @@ class RoundJob:
         return [buf.gathered_part(self.rank) for buf in self.buffers]
 
     def _squared_norm(self) -> float:
-        return float(sum(torch.linalg.vector_norm(b.shard, dtype=torch.float64)**2 for b in self.buffers))
+        """Sum of squares of the fp32 shards, accumulated in float64 chunk by chunk: a float64 copy of a
+        whole shard would add 8N/W bytes to the peak."""
+        total = 0.0
+        for buf in self.buffers:
+            for start in range(0, buf.shard.numel(), NORM_CHUNK):
+                total += float(torch.linalg.vector_norm(buf.shard[start:start + NORM_CHUNK], dtype=torch.float64)**2)
+        return total
 
 
 def result_from_dict(d: Optional[dict]) -> Optional[CommResult]:
