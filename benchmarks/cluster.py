@@ -16,8 +16,11 @@ of a run that was killed with SIGKILL).
     python benchmarks/cluster.py smoke        # a few steps on loopback (tests/test_cluster_smoke.py)
     python benchmarks/cluster.py --cleanup    # remove namespaces left by a killed run
 
-The workload is examples/train_gpt.py (0.84M-parameter byte-level GPT on the
-stdlib source, configs/acco_cpu*.json). Results: benchmarks/results/
+Each rank runs benchmarks/train_worker.py: the quickstart GPT of
+examples/train_gpt.py (0.84M-parameter byte-level GPT on the stdlib source,
+configs/acco_cpu*.json) with the measurement added (veth byte counters, warm-up
+exclusion, slowed rank, JSON results). Namespaces, ports and rank processes come
+from benchmarks/harness.py. Results: benchmarks/results/
 cluster_<command>.{md,json,csv}, one record per run (with the exact rank
 command lines) in cluster_runs_<command>.jsonl, plots cluster_convergence*.png.
 """
@@ -28,8 +31,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,15 +38,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+from harness import rate_bits
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TRAIN = ROOT / "examples" / "train_gpt.py"
+TRAIN = ROOT / "benchmarks" / "train_worker.py"
 CONFIGS = {"fixed": "configs/acco_cpu.json", "adaptive": "configs/acco_cpu_adaptive.json"}
-PREFIX = "acco-bench-"
-OLD_PREFIXES = ("accobench", )  # names used by earlier versions of this script
-ADDRS = ["10.231.0.1", "10.231.0.2"]  # only inside the namespaces this script creates
 STOCK = "ZeRO-1 (stock)"
-MODES = {  # label -> train_gpt.py flags
+MODES = {  # label -> train_worker.py flags
     STOCK: ["--mode", "zero1"],
     "acco_ds sync": ["--mode", "sync"],
     "dpu": ["--mode", "dpu"],
@@ -57,161 +58,6 @@ GAS, MICRO_BS, BLOCK = 4, 8, 128  # configs/acco_cpu.json: 4 micro-batches of 8 
 # Duration model for the printed estimate (measured on the 2-core AMD EPYC of BENCHMARKS.md).
 RUN_OVERHEAD_S = 9.0  # interpreter + DeepSpeed start-up + first evaluation, per run
 COMPUTE_STEP_S = 0.40  # 4 micro-batches on one core
-
-# ------------------------------------------------------------------ subprocesses
-
-
-def sh(*cmd, check=True, timeout=30):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout)
-
-
-def kill_all(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the rank and anything it started (own session)
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-# --------------------------------------------------------------------- network
-
-
-def rate_bits(rate):
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * factor
-    raise ValueError(f"bandwidth {rate!r}: use e.g. 50mbit, 200mbit, 1gbit")
-
-
-class Network:
-    """Two namespaces joined by a veth pair with a tbf limit on both ends; ``close()`` removes them."""
-
-    def __init__(self):
-        pid = os.getpid()
-        self.ns = [f"{PREFIX}{pid}-r{r}" for r in range(2)]
-        self.dev = [f"acb{pid}r{r}"[:15] for r in range(2)]  # IFNAMSIZ
-        self.rate = None
-        try:
-            for ns in self.ns:
-                sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
-               "netns", self.ns[1])
-            for r in range(2):
-                sh("ip", "-n", self.ns[r], "addr", "add", f"{ADDRS[r]}/24", "dev", self.dev[r])
-                sh("ip", "-n", self.ns[r], "link", "set", self.dev[r], "up")
-                sh("ip", "-n", self.ns[r], "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
-        print(f"network: namespaces {self.ns[0]} ({ADDRS[0]} on {self.dev[0]}) and {self.ns[1]} ({ADDRS[1]} on "
-              f"{self.dev[1]}), veth pair", flush=True)
-
-    def limit(self, rate):
-        rate_bits(rate)
-        for r in range(2):
-            sh("tc", "-n", self.ns[r], "qdisc", "replace", "dev", self.dev[r], "root", "tbf", "rate", rate, "burst",
-               "256kb", "latency", "50ms")
-        self.rate = rate
-
-    def tx_bytes(self):
-        """Bytes each end has sent so far."""
-        out = []
-        for r in range(2):
-            info = json.loads(sh("ip", "-n", self.ns[r], "-j", "-s", "link", "show", "dev", self.dev[r]).stdout)
-            out.append(info[0]["stats64"]["tx"]["bytes"])
-        return out
-
-    def close(self):
-        for ns in self.ns:
-            remove_namespace(ns)
-
-
-def remove_namespace(ns):
-    """Kill what still runs in a namespace this script created (its own ranks), then delete it."""
-    pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    sh("ip", "netns", "del", ns, check=False)
-
-
-def list_namespaces():
-    out = sh("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith((PREFIX, ) + OLD_PREFIXES)]
-
-
-def cleanup_leftovers():
-    names = list_namespaces()
-    for ns in names:
-        remove_namespace(ns)
-    return names
-
-
-def namespaces_unavailable():
-    """Why the slow-link rows cannot run here (None when they can)."""
-    if os.geteuid() != 0:
-        return "network namespaces need root (this process is not root)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    return None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_RECV = """
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(30)
-c, _ = s.accept(); c.settimeout(30); n, t0 = 0, None
-while True:
-    b = c.recv(1 << 20)
-    if not b:
-        break
-    t0 = t0 or time.perf_counter()
-    n += len(b)
-print(n, time.perf_counter() - t0)
-"""
-_SEND = """
-import socket, sys, time
-for _ in range(100):
-    try:
-        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30); break
-    except OSError:
-        time.sleep(0.05)
-buf, end = b"x" * 65536, time.perf_counter() + float(sys.argv[3])
-while time.perf_counter() < end:
-    c.sendall(buf)
-c.close()
-"""
-
-
-def measure_link(net, seconds=3.0):
-    """TCP goodput from rank 0's namespace to rank 1's over the limited veth, in bit/s."""
-    port = free_port()
-    recv = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-c", _RECV, ADDRS[1], str(port)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        sh("ip", "netns", "exec", net.ns[0], sys.executable, "-c", _SEND, ADDRS[1], str(port), str(seconds),
-           timeout=seconds + 40)
-        out, _ = recv.communicate(timeout=40)
-    finally:
-        kill_all([recv])
-    n, dt = out.split()
-    return int(n) * 8 / float(dt)
-
 
 # ------------------------------------------------------------------------- runs
 
@@ -238,47 +84,11 @@ def rank_commands(net, mode_flags, spec, out_json, port):
     cores = os.cpu_count() or 1
     out = []
     for r in range(2):
-        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(r), "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        if net is None:
-            env["MASTER_ADDR"] = "127.0.0.1"
-            argv = ["taskset", "-c", str(r % cores)] + base
-        else:
-            env.update(MASTER_ADDR=ADDRS[0], GLOO_SOCKET_IFNAME=net.dev[r], LOCAL_RANK="0")
-            argv = ["ip", "netns", "exec", net.ns[r], "taskset", "-c", str(r % cores)] + base
-        out.append((env, argv))
+        # In a namespace each rank is alone on its "node" (LOCAL_RANK 0); on loopback they share one.
+        env = harness.rank_env(r, 2, port, net, local_rank=r if net is None else 0)
+        argv = ["taskset", "-c", str(r % cores)] + base
+        out.append((env, argv if net is None else net.wrap(r, argv)))
     return out
-
-
-def launch(cmds, out_dir, timeout, what):
-    """Start every (env, argv) at once, wait for all with a deadline; kill all on any failure or signal."""
-    procs, logs = [], []
-    try:
-        for i, (env, argv) in enumerate(cmds):
-            log = open(out_dir / f"rank{i}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(argv, env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
-                                          cwd=ROOT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not finish in {timeout:.0f} s; logs in {out_dir}")
-            if any(p.returncode for p in procs if p.returncode is not None):
-                break  # one rank failed: the other would wait forever on a collective
-            time.sleep(0.1)
-        if any(p.returncode for p in procs if p.returncode is not None):
-            kill_all(procs)
-            tail = "".join((out_dir / f"rank{i}.log").read_text()[-2500:] for i in range(len(procs)))
-            raise RuntimeError(f"{what} failed (logs in {out_dir}):\n{tail}")
-    finally:
-        kill_all(procs)
-        for log in logs:
-            log.close()
-
-
-def shell_line(env, argv):
-    return " ".join(f"{k}={v}" for k, v in env.items() if k != "PYTHONUNBUFFERED") + " " + " ".join(
-        shlex.quote(a) for a in argv)
 
 
 def summarize(result, compute_micro_s):
@@ -303,7 +113,7 @@ def summarize(result, compute_micro_s):
     else:
         row["micro_per_rank"] = [result["micro_batches"]] * result["world_size"]
     if result.get("measured_tx_bytes_per_rank"):
-        # Each rank's veth tx_bytes over the measured steps (read by train_gpt.py inside its namespace):
+        # Each rank's veth tx_bytes over the measured steps (read by train_worker.py inside its namespace):
         # start-up broadcasts and the warm-up steps are not in it.
         row["link_mb_per_step"] = max(result["measured_tx_bytes_per_rank"]) / steps / 1e6
     elif result.get("link_tx_bytes"):
@@ -340,7 +150,9 @@ def fmt3(s, digits=1, unit=""):
     return f"{s[0]:.{digits}f}{unit} ({s[1]:.{digits}f}–{s[2]:.{digits}f})"
 
 
-class Harness:
+class Bench:
+    """The runs of one command: the namespaces (created once, re-limited per bandwidth), the compute
+    calibration, the run records (cluster_runs_<command>.jsonl) and the rows of the CSV."""
 
     def __init__(self, args):
         self.args = args
@@ -370,7 +182,7 @@ class Harness:
         if bandwidth == "unlimited":
             return None
         if self.net is None:
-            self.net = Network()
+            self.raw_network()
         if self.net.rate != bandwidth:
             self.net.limit(bandwidth)
         return self.net
@@ -378,17 +190,19 @@ class Harness:
     def raw_network(self):
         """The namespaces before any tbf limit is set (for the link check)."""
         if self.net is None:
-            self.net = Network()
+            self.net = harness.Network("bench")
+            print(f"network: namespaces {self.net.describe()}, veth pair", flush=True)
         return self.net
 
     def run(self, bandwidth, mode, spec, repeat=0, tag=""):
         """One training run on 2 ranks; returns rank 0's results JSON (plus link byte counts)."""
         net = self.network(bandwidth)
         out_dir = Path(tempfile.mkdtemp(prefix="acco_cluster_"))
-        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", free_port())
+        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", harness.free_port())
         before = net.tx_bytes() if net else None
         t0 = time.perf_counter()
-        launch(cmds, out_dir, self.args.run_timeout, f"{mode} at {bandwidth}")
+        with harness.RankSet(cmds, out_dir, f"{mode} at {bandwidth}") as ranks:
+            ranks.finish(self.args.run_timeout)
         wall = time.perf_counter() - t0
         result = json.loads((out_dir / "result.json").read_text())
         if net:
@@ -400,7 +214,7 @@ class Harness:
                   "wall_s": wall, "command": one_command(bandwidth, mode, spec["steps"], spec["warmup"],
                                                          spec["eval_interval"], spec["eval_batches"], extra,
                                                          spec.get("tokens", 0)),
-                  "rank_commands": [shell_line(env, argv) for env, argv in cmds], "row": row,
+                  "rank_commands": [harness.shell_line(env, argv) for env, argv in cmds], "row": row,
                   "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"]}
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
@@ -418,18 +232,18 @@ class Harness:
             out_dir = Path(tempfile.mkdtemp(prefix="acco_calib_"))
             cmds = []
             for r in range(2):
-                env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                env = harness.rank_env(0, 1, harness.free_port())
                 argv = ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, str(TRAIN),
                         "--deepspeed_config", str(ROOT / CONFIGS["fixed"]), "--mode", "zero1", "--steps",
                         str(self.args.steps), "--warmup_steps", str(self.args.warmup), "--eval_interval", "1000000",
                         "--eval_batches", "2", "--seed", str(1234 + r), "--results", str(out_dir / f"r{r}.json")]
                 cmds.append((env, argv))
-            launch(cmds, out_dir, self.args.run_timeout, "compute calibration")
+            with harness.RankSet(cmds, out_dir, "compute calibration") as ranks:
+                ranks.finish(self.args.run_timeout)
             steps = [json.loads((out_dir / f"r{r}.json").read_text())["measured_step_time_s"] for r in range(2)]
             shutil.rmtree(out_dir, ignore_errors=True)
             self.compute_micro_s = statistics.mean(steps) / GAS
-            self.calibration_cmd = shell_line(*cmds[0]) + "  (and the same on core 1, concurrently)"
+            self.calibration_cmd = harness.shell_line(*cmds[0]) + "  (and the same on core 1, concurrently)"
             print(f"compute, no communication (world size 1, both cores busy): {statistics.mean(steps):.3f} s per "
                   f"step of {GAS} micro-batches ({', '.join(f'{s:.3f}' for s in steps)})", flush=True)
         return self.compute_micro_s
@@ -469,11 +283,11 @@ def cmd_netcheck(h):
     lines = ["| tbf rate (both ends) | measured TCP goodput rank 0 → rank 1 (3 s) |", "|---|---|"]
     limited = [b for b in h.args.bandwidths if b != "unlimited"]
     if limited and (h.net is None or h.net.rate is None):
-        got = measure_link(h.raw_network())
+        got = h.raw_network().goodput()
         lines.append(f"| none (same veth pair, no qdisc) | {got / 1e6:.0f} Mbit/s |")
         print(f"  link check, no tbf: {got / 1e6:.0f} Mbit/s", flush=True)
     for bw in limited:
-        got = measure_link(h.network(bw))
+        got = h.network(bw).goodput()
         lines.append(f"| {bw} | {got / 1e6:.1f} Mbit/s ({100 * got / rate_bits(bw):.0f}% of the rate) |")
         print(f"  link check {bw}: {got / 1e6:.1f} Mbit/s", flush=True)
     if len(lines) == 2:
@@ -576,8 +390,8 @@ def cmd_hetero(h):
     bw = h.args.hetero_bandwidth
     spec = throughput_spec(h.args)
     lines = [f"Bandwidth {bw}. Rank 1 is slowed by the factor (benchmark-only): after each micro-batch's backward "
-             f"it sleeps (factor − 1) × the time of that micro-batch — stock ZeRO-1: `train_gpt.py --slow_rank 1 "
-             f"--slow_factor F` sleeps in the training loop (no ACCO block); ACCO: the engine's "
+             f"it sleeps (factor − 1) × the time of that micro-batch — stock ZeRO-1: `train_worker.py "
+             f"--slow_rank 1 --slow_factor F` sleeps in the training loop (no ACCO block); ACCO: the engine's "
              f"`acco.emulation` block, set by the same flags. Every row below is slowed that way.", "",
              "| rank 1 slowed | mode | samples/s median (min–max) | s/step | speedup vs ZeRO-1 median (min–max) | "
              "micro-batches rank 0 / rank 1 (share of rank 1) |", "|---|---|---|---|---|---|"]
@@ -746,7 +560,7 @@ def estimate_s(args, parts):
 
 def machine_line():
     try:
-        model = next((line.split(":", 1)[1].strip() for line in sh("lscpu", timeout=10).stdout.splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in harness.sh("lscpu", timeout=10).stdout.splitlines()
                       if line.startswith("Model name")), "unknown CPU")
     except (OSError, subprocess.SubprocessError):
         model = "unknown CPU"
@@ -787,7 +601,7 @@ def main():
     p.add_argument("--skip_netcheck", action="store_true")
     p.add_argument("--bandwidth", default="unlimited", help="`one`: the link")
     p.add_argument("--mode", default="acco fixed", choices=list(MODES), help="`one`: the mode")
-    p.add_argument("--extra", default="", help="`one`: extra train_gpt.py flags")
+    p.add_argument("--extra", default="", help="`one`: extra train_worker.py flags")
     p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--results_dir", "--out", default=None,
                    help="where tables, run records and plots go (default benchmarks/results)")
@@ -795,9 +609,9 @@ def main():
     if args.results_dir:
         RESULTS = Path(args.results_dir).resolve()
     if args.cleanup:
-        if namespaces_unavailable():
-            raise SystemExit(f"--cleanup: {namespaces_unavailable()}")
-        print("removed:", ", ".join(cleanup_leftovers()) or "nothing to remove")
+        if harness.namespaces_unavailable():
+            raise SystemExit(f"--cleanup: {harness.namespaces_unavailable()}")
+        print("removed:", ", ".join(harness.cleanup_leftovers()) or "nothing to remove")
         return
     if args.command == "smoke":
         args.bandwidths, args.repeats, args.steps, args.warmup = ["unlimited"], 1, 2, 1
@@ -813,25 +627,20 @@ def main():
     needs_ns = [b for b in args.bandwidths if b != "unlimited" and set(parts) & {"netcheck", "throughput", "one"}]
     needs_ns += [b for part, b in (("hetero", args.hetero_bandwidth), ("convergence", args.convergence_bandwidth))
                  if part in parts and b != "unlimited"]
-    reason = namespaces_unavailable() if needs_ns else None
+    reason = harness.namespaces_unavailable() if needs_ns else None
     if reason:
         raise SystemExit(f"cannot emulate {', '.join(sorted(set(needs_ns)))}: {reason}.\nThe plain loopback run "
                          f"(bandwidth 'unlimited', both ranks on localhost, no namespaces) works without root:\n"
                          f"    python benchmarks/cluster.py {args.command} --bandwidths unlimited "
                          f"--hetero_bandwidth unlimited --convergence_bandwidth unlimited")
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-    signal.signal(signal.SIGINT, stop)
+    harness.interrupt_on_signals()
     est = estimate_s(args, parts)
     command = "python benchmarks/cluster.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(f"{command}\nestimated duration on a quiet 2-core machine: {est / 60:.0f} min", flush=True)
     started = time.time()
     sections = []
-    with Harness(args) as h:
+    with Bench(args) as h:
         h.tables = {}
         try:
             if args.command == "one":

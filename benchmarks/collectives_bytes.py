@@ -2,13 +2,13 @@
 
     sudo .venv/bin/python benchmarks/collectives_bytes.py [--mib 16] [--repeat 3]
 
-Needs root: creates two network namespaces (acco_cb0, acco_cb1) joined by a
-veth pair (acco_cbv0 10.77.0.1/24 <-> acco_cbv1 10.77.0.2/24), runs one gloo
-rank in each (``ip netns exec``, GLOO_SOCKET_IFNAME=the veth), and reads each
-rank's ``/sys/class/net/<veth>/statistics/tx_bytes`` before and after every
+Needs root: creates two network namespaces joined by a veth pair
+(``harness.Network``, no bandwidth limit), runs one gloo rank in each (``ip
+netns exec``, GLOO_SOCKET_IFNAME=the veth), and reads each rank's
+``/sys/class/net/<veth>/statistics/tx_bytes`` before and after every
 collective. The namespaces (and with them the veth pair) are deleted at the
-end, also on error or Ctrl-C. Loopback is not used: its counters are shared
-by all ranks.
+end, also on error, Ctrl-C or SIGTERM (``--cleanup`` removes those of a
+SIGKILLed run). Loopback is not used: its counters are shared by all ranks.
 
 The counts include TCP/IP headers and ACKs (a few per cent); a barrier's own
 traffic, measured the same way, is subtracted. The optimum for a
@@ -19,20 +19,16 @@ reduce-scatter, all-to-all or all-gather of a B-byte buffer on W ranks is
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
-NS = ["acco_cb0", "acco_cb1"]
-VETH = ["acco_cbv0", "acco_cbv1"]
-ADDR = ["10.77.0.1", "10.77.0.2"]
-PORT = 29577
-OPS = ["barrier", "torch reduce_scatter_tensor", "acco_ds.collectives.reduce_scatter", "all_to_all_single",
+OPS = ["barrier", "torch reduce_scatter_tensor", "acco_ds.runtime.collectives.reduce_scatter", "all_to_all_single",
        "all_gather_into_tensor"]
 
 
@@ -41,9 +37,8 @@ def worker(args):
     import torch
     import torch.distributed as tdist
 
-    from acco_ds.collectives import reduce_scatter
+    from acco_ds.runtime.collectives import reduce_scatter
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    counter = Path(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes")
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     numel = args.mib * (1 << 20) // 4
     buf = torch.randn(numel)
@@ -54,7 +49,7 @@ def worker(args):
     ops = {
         "barrier": lambda: None,
         "torch reduce_scatter_tensor": lambda: native_rs(shard, buf, op=tdist.ReduceOp.SUM),
-        "acco_ds.collectives.reduce_scatter": lambda: reduce_scatter(shard, buf, None),
+        "acco_ds.runtime.collectives.reduce_scatter": lambda: reduce_scatter(shard, buf, None),
         "all_to_all_single": lambda: tdist.all_to_all_single(full, buf),
         "all_gather_into_tensor": lambda: native_ag(full, shard),
     }
@@ -64,13 +59,13 @@ def worker(args):
         for _ in range(args.repeat):
             tdist.barrier()
             time.sleep(0.2)  # let the barrier's packets and ACKs leave
-            before = int(counter.read_text())
+            before = harness.link_tx_bytes()[0]
             start = time.perf_counter()
             ops[name]()
             secs.append(time.perf_counter() - start)
             tdist.barrier()
             time.sleep(0.2)
-            sent.append(int(counter.read_text()) - before)
+            sent.append(harness.link_tx_bytes()[0] - before)
         results[name] = {"tx_bytes": sent, "seconds": secs}
     ours, ref = torch.empty_like(shard), torch.empty_like(shard)
     reduce_scatter(ours, buf, None)
@@ -81,26 +76,6 @@ def worker(args):
 
 
 # ------------------------------------------------------------------- driver
-def sh(*cmd, check=True):
-    return subprocess.run(list(cmd), check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def teardown():
-    for ns in NS:
-        sh("ip", "netns", "del", ns, check=False)  # also deletes the veth end inside it
-
-
-def setup():
-    teardown()  # leftovers of an interrupted run of this script
-    for ns in NS:
-        sh("ip", "netns", "add", ns)
-    sh("ip", "link", "add", VETH[0], "netns", NS[0], "type", "veth", "peer", "name", VETH[1], "netns", NS[1])
-    for ns, veth, addr in zip(NS, VETH, ADDR):
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-        sh("ip", "-n", ns, "link", "set", veth, "up")
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mib", type=int, default=16, help="buffer size in MiB (fp32)")
@@ -108,36 +83,27 @@ def main():
     p.add_argument("--json", default=str(ROOT / "benchmarks/results/collectives_bytes.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--cleanup", action="store_true", help="remove the namespaces of a SIGKILLed run, and exit")
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    if os.geteuid() != 0:
-        sys.exit("run as root: it creates network namespaces and a veth pair")
+    if harness.namespaces_unavailable():
+        sys.exit(f"run as root: it creates network namespaces and a veth pair ({harness.namespaces_unavailable()})")
+    if args.cleanup:
+        print("removed:", ", ".join(harness.cleanup_leftovers()) or "nothing to remove")
+        return
     world = 2
-    # Ctrl-C (KeyboardInterrupt, even where SIGINT was inherited as ignored) and SIGTERM (SystemExit) both
-    # unwind through the finally block below, which deletes the namespaces.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    procs = []
-    with tempfile.TemporaryDirectory(prefix="acco_cb_") as tmp:
-        try:
-            setup()
-            env = dict(os.environ, MASTER_ADDR=ADDR[0], MASTER_PORT=str(PORT), WORLD_SIZE=str(world),
-                       OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            for rank in range(world):
-                cmd = ["ip", "netns", "exec", NS[rank], sys.executable, __file__, "--worker", "--mib", str(args.mib),
-                       "--repeat", str(args.repeat), "--out", f"{tmp}/rank{rank}.json"]
-                procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "GLOO_SOCKET_IFNAME": VETH[rank]}))
-            for proc in procs:
-                if proc.wait(timeout=600):
-                    raise SystemExit(f"a rank failed (exit code {proc.returncode})")
-            ranks = [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(world)]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            teardown()
+    harness.interrupt_on_signals()  # Ctrl-C, SIGTERM: the with blocks kill the ranks and remove the namespaces
+    with tempfile.TemporaryDirectory(prefix="acco_cb_") as tmp, harness.Network("cb") as net:
+        port = harness.free_port()
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmds = [({**harness.rank_env(rank, world, port, net), **env},
+                 net.wrap(rank, [sys.executable, __file__, "--worker", "--mib", str(args.mib), "--repeat",
+                                 str(args.repeat), "--out", f"{tmp}/rank{rank}.json"]))
+                for rank in range(world)]
+        with harness.RankSet(cmds, tmp, "collectives") as rs:
+            rs.finish(timeout=600)
+        ranks = [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(world)]
 
     buffer_bytes = args.mib << 20
     optimum = (world - 1) * buffer_bytes // world

@@ -14,6 +14,7 @@ removed (errors, Ctrl-C, SIGTERM). Results: a markdown table on stdout and in
 benchmarks/results/faults.md, details (full messages, logs' tails) in
 benchmarks/results/faults.json.
 
+Ranks, namespaces, deadlines and cleanup come from benchmarks/harness.py.
 tests/test_faults.py imports this file by path and runs the fast scenarios.
 """
 
@@ -24,179 +25,45 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "fault_worker.py"
 RESULTS = ROOT / "benchmarks" / "results"
-NETNS = ["acco_fd0", "acco_fd1"]
-VETH = ["acco_fdv0", "acco_fdv1"]
-ADDRS = ["10.78.0.1", "10.78.0.2"]
 MOUNT_PREFIX = "acco_fault_tmpfs_"
 
 
-class ScenarioTimeout(Exception):
-    pass
+ScenarioTimeout = harness.DeadlineExceeded
 
 
 # ------------------------------------------------------------------ processes
-_LIVE = []  # every RankSet started and not yet reaped: killed on timeout, error, Ctrl-C, SIGTERM
+def start(spec, workdir, name, world=2, deadline=None, env=None, net=None, port=None):
+    """``world`` processes of fault_worker.py with one spec (a harness.RankSet; logs, spec and results in
+    ``workdir/name``); on ``net`` (a harness.Network) gloo runs over its veth pair."""
+    outdir = Path(workdir) / name
+    outdir.mkdir(parents=True, exist_ok=True)
+    spec_path = outdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = port or harness.free_port()
+    extra = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    cmds = []
+    for r in range(world):
+        argv = [sys.executable, str(WORKER), str(spec_path), str(outdir)]
+        cmds.append(({**harness.rank_env(r, world, port, net), **extra}, argv if net is None else net.wrap(r, argv)))
+    return harness.RankSet(cmds, outdir, name, deadline=deadline)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Deadline:
-
-    def __init__(self, seconds):
-        self.end = time.monotonic() + seconds
-        self.seconds = seconds
-
-    def left(self):
-        return self.end - time.monotonic()
-
-    def check(self):
-        if self.left() <= 0:
-            raise ScenarioTimeout(f"scenario exceeded its {self.seconds:.0f} s limit")
-
-
-class RankSet:
-    """``world`` processes of fault_worker.py with one spec, each in its own session
-    (process group), so a kill takes its compiler children with it."""
-
-    def __init__(self, spec, workdir, name, world=2, deadline=None, env=None, netns=False, port=None):
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.name, self.world, self.deadline = name, world, deadline
-        self.outdir = self.workdir / name
-        self.outdir.mkdir(exist_ok=True)
-        spec_path = self.outdir / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        base = dict(os.environ)
-        base.update(DS_ACCELERATOR="cpu", WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                    MASTER_ADDR=ADDRS[0] if netns else "127.0.0.1", MASTER_PORT=str(port or free_port()),
-                    PYTHONPATH=os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
-        base.update(env or {})
-        self.procs, self.logs, self.exit_time = [], [], [None] * world
-        for r in range(world):
-            log = open(self.outdir / f"rank{r}.log", "w")
-            self.logs.append(log)
-            cmd = [sys.executable, str(WORKER), str(spec_path), str(self.outdir)]
-            renv = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-            if netns:
-                cmd = ["ip", "netns", "exec", NETNS[r]] + cmd  # exec's the command: the pid is python's
-                renv["GLOO_SOCKET_IFNAME"] = VETH[r]
-            self.procs.append(subprocess.Popen(cmd, env=renv, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True, cwd=str(ROOT)))
-        self.start = time.monotonic()
-        _LIVE.append(self)
-
-    # -- observation
-    def log(self, r):
-        try:
-            return (self.outdir / f"rank{r}.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def poll(self):
-        now = time.monotonic()
-        for r, p in enumerate(self.procs):
-            if self.exit_time[r] is None and p.poll() is not None:
-                self.exit_time[r] = now
-        return [p.returncode for p in self.procs]
-
-    def _tick(self, until):
-        self.poll()
-        if self.deadline is not None:
-            self.deadline.check()
-        if until is not None and time.monotonic() > until:
-            return False
-        time.sleep(0.05)
-        return True
-
-    def wait_for(self, pattern, rank=0, timeout=120.0):
-        """Wait until rank's log matches ``pattern``; returns the match or raises."""
-        until = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        while True:
-            m = rx.search(self.log(rank))
-            if m:
-                return m
-            if self.procs[rank].poll() is not None:
-                m = rx.search(self.log(rank))
-                if m:
-                    return m
-                raise RuntimeError(f"{self.name}: rank {rank} exited ({self.procs[rank].returncode}) before "
-                                   f"{pattern!r}:\n{self.log(rank)[-3000:]}")
-            if not self._tick(until):
-                raise RuntimeError(f"{self.name}: no {pattern!r} on rank {rank} within {timeout:.0f} s:\n"
-                                   f"{self.log(rank)[-3000:]}")
-
-    def wait(self, timeout=120.0, ranks=None):
-        """Wait for ``ranks`` (default all) to exit; returns exit codes, or None for ranks still running."""
-        until = time.monotonic() + timeout
-        ranks = range(self.world) if ranks is None else ranks
-        while any(self.procs[r].poll() is None for r in ranks):
-            if not self._tick(until):
-                break
-        self.poll()
-        return [p.returncode for p in self.procs]
-
-    # -- faults
-    def signal(self, rank, sig):
-        try:
-            os.killpg(self.procs[rank].pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def kill_all(self):
-        for r, p in enumerate(self.procs):
-            if p.poll() is None:
-                self.signal(r, signal.SIGCONT)
-                self.signal(r, signal.SIGKILL)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.close()
-
-    def close(self):
-        for log in self.logs:
-            log.close()
-        if self in _LIVE:
-            _LIVE.remove(self)
-
-    def finish(self, timeout=120.0):
-        """Wait for a run expected to succeed; returns per-rank results or raises with the logs."""
-        codes = self.wait(timeout)
-        if any(c is None for c in codes):
-            self.kill_all()
-            raise RuntimeError(f"{self.name}: ranks still running after {timeout:.0f} s:\n{self.tails()}")
-        self.close()
-        if any(codes):
-            raise RuntimeError(f"{self.name}: exit codes {codes}:\n{self.tails()}")
-        import torch
-        return [torch.load(self.outdir / f"result{r}.pt", weights_only=False) for r in range(self.world)]
-
-    def texts(self):
-        return [self.log(r) for r in range(self.world)]
-
-    def tails(self, n=2500):
-        return "\n".join(f"--- {self.name} rank {r} ---\n{self.log(r)[-n:]}" for r in range(self.world))
-
-
-def kill_everything():
-    for rs in list(_LIVE):
-        rs.kill_all()
+def finish(rs, timeout):
+    """Wait for a run expected to succeed; returns each rank's result{rank}.pt or raises with the logs."""
+    rs.finish(timeout)
+    import torch
+    return [torch.load(rs.outdir / f"result{r}.pt", weights_only=False) for r in range(rs.world)]
 
 
 # ------------------------------------------------------------------ messages
@@ -272,9 +139,9 @@ def _train_spec(save_dir, **kw):
 
 def reference_run(workdir, deadline, steps=STEPS, **kw):
     """An uninterrupted run (with the same checkpoints) to compare against."""
-    rs = RankSet(_train_spec(Path(workdir) / "ref_ckpt", steps=steps, **kw), workdir, "reference",
+    rs = start(_train_spec(Path(workdir) / "ref_ckpt", steps=steps, **kw), workdir, "reference",
                  deadline=deadline)
-    return rs.finish(timeout=deadline.left())
+    return finish(rs, deadline.left())
 
 
 def scenario_jit_kill(workdir, deadline, opts):
@@ -282,7 +149,7 @@ def scenario_jit_kill(workdir, deadline, opts):
     ext = Path(workdir) / "torch_extensions"
     env = {"TORCH_EXTENSIONS_DIR": str(ext), "ACCO_FAULT_NO_AOT": "1", "ACCO_JIT_WAIT_S": "600"}
     spec = {"kernels": "native", "stop_after_start": True}
-    first = RankSet(spec, workdir, "jit_first", deadline=deadline, env=env)
+    first = start(spec, workdir, "jit_first", deadline=deadline, env=env)
     lock = None
     until = time.monotonic() + min(180, deadline.left())
     while time.monotonic() < until:
@@ -305,7 +172,7 @@ def scenario_jit_kill(workdir, deadline, opts):
     first.close()
     left_behind = lock.exists()
     t0 = time.monotonic()
-    second = RankSet(spec, workdir, "jit_restart", deadline=deadline, env=env)
+    second = start(spec, workdir, "jit_restart", deadline=deadline, env=env)
     codes = second.wait(timeout=deadline.left())
     took = time.monotonic() - t0
     logs = second.log(0) + second.log(1)
@@ -338,12 +205,12 @@ def _compiler_running(rs):
     return False
 
 
-def _kill_mid_round(workdir, deadline, name, fault_label, sig, opts, extra_spec=None, netns=False,
+def _kill_mid_round(workdir, deadline, name, fault_label, sig, opts, extra_spec=None, net=None,
                     inject=None, after_kill=None):
     """Train with checkpoints, inject a fault after the checkpoint at step SAVE_EVERY, measure how long
     until every rank has exited with an error."""
     spec = _train_spec(Path(workdir) / f"{name}_ckpt", micro_sleep=0.05, **(extra_spec or {}))
-    rs = RankSet(spec, workdir, name, deadline=deadline, netns=netns)
+    rs = start(spec, workdir, name, deadline=deadline, net=net)
     rs.wait_for(rf"FAULTDRILL SAVED rank=1 step={SAVE_EVERY}\b", rank=1, timeout=min(120, deadline.left()))
     rs.wait_for(rf"FAULTDRILL STEP rank=1 step={SAVE_EVERY + 1}\b", rank=1, timeout=min(60, deadline.left()))
     time.sleep(0.03)  # inside the next round's compute, its communication in flight
@@ -372,8 +239,8 @@ def _kill_mid_round(workdir, deadline, name, fault_label, sig, opts, extra_spec=
 def _resume(workdir, deadline, name, ref, extra_spec=None):
     """Relaunch both ranks with load_checkpoint, train to STEPS, compare with the uninterrupted run."""
     spec = _train_spec(Path(workdir) / f"{name}_ckpt", load=True, **(extra_spec or {}))
-    rs = RankSet(spec, workdir, f"{name}_resume", deadline=deadline)
-    res = rs.finish(timeout=deadline.left())
+    rs = start(spec, workdir, f"{name}_resume", deadline=deadline)
+    res = finish(rs, deadline.left())
     loaded = first_line(rs.log(0), r"FAULTDRILL LOADED.*")
     return equal_params(res, ref), loaded
 
@@ -404,63 +271,19 @@ def scenario_stop_rank(workdir, deadline, opts):
                 bit_exact=None, logs=out["tails"] if not ok else None)]
 
 
-def netns_unavailable():
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
-    return None
-
-
-def netns_up():
-    netns_down()
-    try:
-        for ns in NETNS:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", VETH[0], "netns", NETNS[0], "type", "veth", "peer", "name", VETH[1], "netns",
-            NETNS[1])
-        for r in range(2):
-            _sh("ip", "-n", NETNS[r], "addr", "add", f"{ADDRS[r]}/24", "dev", VETH[r])
-            _sh("ip", "-n", NETNS[r], "link", "set", VETH[r], "up")
-            _sh("ip", "-n", NETNS[r], "link", "set", "lo", "up")
-    except BaseException:
-        netns_down()
-        raise
-
-
-def netns_down():
-    existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for ns in NETNS:
-        if ns not in existing:
-            continue
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _sh(*cmd):
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
 def scenario_link_down(workdir, deadline, opts):
-    why = netns_unavailable()
+    why = harness.namespaces_unavailable()
     if why:
         return [row("link cut mid-round (veth down)", f"skipped: {why}", "n/a", "n.a.", "-")]
     timeout_s = opts.get("link_timeout_s", 20)
-    netns_up()
-    try:
+    with harness.Network("fault") as net:
         out = _kill_mid_round(
-            workdir, deadline, "link", "link down", None, opts, netns=True,
+            workdir, deadline, "link", "link down", None, opts, net=net,
             extra_spec={"timeout_s": timeout_s, "pg_timeout": timeout_s},
-            inject=lambda rs: _sh("ip", "-n", NETNS[0], "link", "set", VETH[0], "down"))
-    finally:
-        netns_down()
+            inject=lambda rs: net.set_link(0, up=False))
     msgs = out["messages"]
     ok = out["all_error"]
-    return [row(f'link cut mid-round (ip link set {VETH[0]} down), "timeout_s": {timeout_s}',
+    return [row(f'link cut mid-round (rank 0\'s end of the veth pair set down), "timeout_s": {timeout_s}',
                 short(out["msg"]), f"{out['seconds']:.1f}" if ok else
                 f"n/a (exit codes {out['codes']})", "n.a.",
                 judge(out["msg"], ["timeout", "timed out", "connection", "closed", "reset"], ["timeout_s",
@@ -474,9 +297,9 @@ def scenario_bad_grads(workdir, deadline, opts):
     rows = []
     for dtype in opts.get("dtypes", ["fp32", "bf16", "fp16"]):
         spec = {"dtype": dtype, "steps": 8, "bad_grads": [[4, "nan"], [9, "inf"]]}
-        rs = RankSet(spec, workdir, f"bad_{dtype}", deadline=deadline)
+        rs = start(spec, workdir, f"bad_{dtype}", deadline=deadline)
         try:
-            res = rs.finish(timeout=deadline.left())
+            res = finish(rs, deadline.left())
         except RuntimeError as err:
             rows.append(row(f"NaN and Inf gradients ({dtype})", short(error_line(str(err)) or "failed"), "n/a",
                             "n.a.", "-", error=str(err)[-3000:]))
@@ -499,8 +322,8 @@ def scenario_bad_grads(workdir, deadline, opts):
 def _checkpoint(workdir, deadline, name, **kw):
     """A 2-rank run that saves at step 4 and 8 (acco mode unless kw says otherwise)."""
     spec = _train_spec(Path(workdir) / f"{name}_ckpt", **{"steps": 8, **kw})
-    rs = RankSet(spec, workdir, name, deadline=deadline)
-    return rs.finish(timeout=deadline.left()), Path(spec["save_dir"])
+    rs = start(spec, workdir, name, deadline=deadline)
+    return finish(rs, deadline.left()), Path(spec["save_dir"])
 
 
 def scenario_disk_full(workdir, deadline, opts):
@@ -519,7 +342,7 @@ def scenario_disk_full(workdir, deadline, opts):
                         "n/a", "n.a.", "-")]
         ckpt = mnt / "ckpt"
         spec = {"steps": 12, "save_dir": str(ckpt), "save_every": 4}
-        rs = RankSet(spec, workdir, "diskfull", deadline=deadline)
+        rs = start(spec, workdir, "diskfull", deadline=deadline)
         # The second save starts right after step 8: time from there (both ranks write their own files).
         rs.wait_for(r"FAULTDRILL STEP rank=0 step=8\b", rank=0, timeout=min(deadline.left() - 20, 120))
         t0 = time.monotonic()
@@ -535,9 +358,9 @@ def scenario_disk_full(workdir, deadline, opts):
         loads, load_err = False, None
         if latest:
             spec2 = {"steps": 6, "save_dir": str(ckpt), "load": True}
-            rs2 = RankSet(spec2, workdir, "diskfull_load", deadline=deadline)
+            rs2 = start(spec2, workdir, "diskfull_load", deadline=deadline)
             try:
-                res2 = rs2.finish(timeout=deadline.left())
+                res2 = finish(rs2, deadline.left())
                 loads = all(r["global_steps"] == 6 for r in res2) and \
                     "step=4" in (first_line(rs2.log(0), r"FAULTDRILL LOADED.*") or "")
             except RuntimeError as err:
@@ -560,7 +383,7 @@ def _load_attempt(workdir, deadline, name, src, world=2, **kw):
     """Load checkpoint dir ``src`` with a run configured by ``kw``; returns (codes, message line, rankset logs)."""
     spec = {"steps": 10, "save_dir": str(src), "load": True}
     spec.update(kw)
-    rs = RankSet(spec, workdir, name, world=world, deadline=deadline)
+    rs = start(spec, workdir, name, world=world, deadline=deadline)
     codes = rs.wait(timeout=min(deadline.left() - 5, 120))
     texts = rs.texts()
     rs.kill_all()
@@ -666,7 +489,7 @@ SCENARIOS = {
 def run_scenario(name, workdir=None, opts=None, limit=None):
     """Run one scenario under its hard time limit; always returns rows (TIMEOUT / ERROR rows on failure)."""
     fn, default_limit = SCENARIOS[name]
-    deadline = Deadline(limit or default_limit)
+    deadline = harness.Deadline(limit or default_limit)
     own = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"acco_fault_{name}_"))
     t0 = time.monotonic()
@@ -677,7 +500,7 @@ def run_scenario(name, workdir=None, opts=None, limit=None):
     except Exception as err:  # noqa: BLE001 - a drill reports, it does not stop
         rows = [row(name, f"ERROR in the drill: {short(repr(err), 150)}", "n/a", "n.a.", "-", error=str(err)[-6000:])]
     finally:
-        kill_everything()
+        harness.kill_everything()
     for r in rows:
         r["scenario"] = name
         r["scenario_seconds"] = round(time.monotonic() - t0, 1)
@@ -696,16 +519,15 @@ def markdown(rows):
 
 
 def cleanup():
-    netns_down()
+    """Remove what a SIGKILLed drill left: its network namespaces, its tmpfs mounts."""
+    removed = harness.cleanup_leftovers()
     for line in Path("/proc/mounts").read_text().splitlines():
         parts = line.split()
         if len(parts) > 1 and MOUNT_PREFIX in parts[1]:
             subprocess.run(["umount", "-l", parts[1]], capture_output=True)
             shutil.rmtree(parts[1], ignore_errors=True)
-
-
-def _on_sigterm(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+            removed.append(parts[1])
+    return removed
 
 
 def main(argv=None):
@@ -721,13 +543,13 @@ def main(argv=None):
         print("\n".join(SCENARIOS))
         return 0
     if args.cleanup:
-        cleanup()
+        print("removed:", ", ".join(cleanup()) or "nothing to remove")
         return 0
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    harness.interrupt_on_signals()
     opts = {"stop_timeout_s": args.timeout_s, "link_timeout_s": args.timeout_s}
     base = Path(tempfile.mkdtemp(prefix="acco_faults_"))
     rows = []
@@ -740,7 +562,7 @@ def main(argv=None):
                 print(f"   {r['fault']}: {r['seen']} | {r['seconds']} | {r['resumes']}", flush=True)
             rows += got
     finally:
-        kill_everything()  # each scenario removes its own namespaces and mounts in its finally
+        harness.kill_everything()  # each scenario removes its own namespaces and mounts in its finally
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     import torch

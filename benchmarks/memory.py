@@ -66,7 +66,7 @@ def run(cfg, args, tmp, name, model=None):
     json.dump(cfg, open(path, "w"))
     out = os.path.join(tmp, f"{name}_result.json")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(args.port),
-           str(ROOT / "examples/train_gpt.py"), "--deepspeed_config", path, "--steps", str(args.steps),
+           str(ROOT / "benchmarks/train_worker.py"), "--deepspeed_config", path, "--steps", str(args.steps),
            "--results", out] + (model or ["--n_layer", str(args.n_layer), "--n_embd", str(args.n_embd), "--n_head",
                                          "8", "--eval_interval", "1000", "--eval_batches", "2", "--corpus_bytes",
                                          "2000000"])

@@ -30,7 +30,7 @@ def test_cluster_harness_smoke(tmp_path):
         assert math.isfinite(r["result"]["final_val_loss"]) and math.isfinite(r["result"]["first_loss"])
         assert all(math.isfinite(p["val_loss"]) for p in r["history"])
         assert r["command"].startswith("python benchmarks/cluster.py one --bandwidth unlimited")
-        assert len(r["rank_commands"]) == 2 and "examples/train_gpt.py" in r["rank_commands"][0]
+        assert len(r["rank_commands"]) == 2 and "benchmarks/train_worker.py" in r["rank_commands"][0]
 
     rows = list(csv.DictReader(open(tmp_path / "cluster_smoke.csv")))
     assert sorted(row["mode"] for row in rows) == sorted(MODES)

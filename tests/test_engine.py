@@ -1,5 +1,7 @@
 """The ACCO engine on 2 CPU ranks (gloo) against the reference simulator and stock DeepSpeed."""
 
+import math
+
 import pytest
 import torch
 
@@ -153,6 +155,22 @@ def test_adaptive_reads_mid_training_never_deadlock(tmp_path, launch_index):
         assert loaded["global_steps"] == saved["global_steps"]
         assert torch.equal(loaded["params"], saved["state_dict"]), "the checkpoint holds other weights than read"
         assert res[0]["global_steps"] == saved["global_steps"] + 3
+
+
+def test_fp16_loss_scale_follows_stock_per_committed_step():
+    """fp16 with hysteresis 2 and gradients that overflow at the first scales: the loss scaler is updated
+    once per committed step, with stock's hysteresis, so ACCO ends at stock's scale. A half-batch computed
+    at a scale the scaler has lowered since (the pipeline runs one round ahead) skips its step without
+    lowering the scale again: at most one extra skipped step per lowering."""
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "loss_scale_window": 1000}
+    runs = [dict(config=common.ds_config(fp16=fp16), dtype="fp16", steps=6, use_acco_initialize=False, loss_mult=8.0),
+            dict(config=common.ds_config(acco={"mode": "acco"}, fp16=fp16), dtype="fp16", steps=6, loss_mult=8.0)]
+    stock, acco = launch({"runs": runs}, world_size=W, timeout=240)[0]
+    assert stock["skipped_steps"] >= 2, "the workload must overflow for the test to mean anything"
+    lowerings = round(math.log2(65536 / stock["loss_scale"]))
+    assert acco["loss_scale"] == stock["loss_scale"], (acco["loss_scale"], stock["loss_scale"])
+    assert stock["skipped_steps"] <= acco["skipped_steps"] <= stock["skipped_steps"] + lowerings
+    assert acco["global_steps"] == stock["global_steps"] == 6
 
 
 def test_checkpoint_resume_continues_exactly(tmp_path):

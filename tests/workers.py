@@ -116,6 +116,8 @@ def run(spec, rank, world):
             raise RuntimeError("deliberate failure on this rank")
         if spec.get("nan_at_micro") == micro and rank == 0:
             loss = loss * float("nan")
+        if spec.get("loss_mult"):
+            loss = loss * spec["loss_mult"]
         if spec.get("overflow_at_micro") == micro and rank == 0:
             loss = loss * 1e30  # fp16 gradients overflow to inf
         micro += 1
@@ -181,6 +183,7 @@ def run(spec, rank, world):
         out["optimizer_class"] = type(engine.optimizer).__name__
     out["lr"] = engine.get_lr()
     out["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
+    out["skipped_steps"] = engine.skipped_steps
     engine.destroy()
     return out
 

@@ -141,6 +141,11 @@ def load_errors(load_dir, tag):
     except (OSError, EOFError, RuntimeError) as err:
         if isinstance(err, FileNotFoundError) or "ACCO" in str(err):
             raise
+        text = f"{type(err).__name__}: {err}"
+        if isinstance(err, RuntimeError) and _PEER_FAILURE.search(text):
+            raise RuntimeError(f"ACCO: load_checkpoint from {load_dir} failed because another rank failed or lost "
+                               f"its network during the load ({text}). The checkpoint files may be fine: check the "
+                               f"other ranks' logs, then relaunch") from err
         raise RuntimeError(f"ACCO: could not read the checkpoint in {load_dir} (tag {tag or 'latest'}): "
                            f"{type(err).__name__}: {err}. A file is probably truncated or corrupted: load an "
                            f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err

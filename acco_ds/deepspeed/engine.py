@@ -22,10 +22,12 @@ Only the glue lives here. The engine
   of the step it anticipates), the global gradient norm, progress logs and
   monitor events.
 
-Micro-batch losses are not divided by ``gradient_accumulation_steps``: the
-optimizer divides the reduced gradient sum by the global micro-batch count.
-``backward()`` still returns ``loss / gradient_accumulation_steps`` when
-``scale_wrt_gas`` is true, as DeepSpeed does, for logging code that expects it.
+``backward()`` is DeepSpeed's: the loss is divided by
+``gradient_accumulation_steps`` (unless ``scale_wrt_gas=False``: the caller
+did it) and scaled by the loss scale, so 16-bit gradients have stock's
+headroom. The round job multiplies that divisor back and divides the reduced
+sum by the global micro-batch count instead, the exact mean also when
+workers contribute different counts.
 """
 
 import contextlib
@@ -102,23 +104,6 @@ class ACCOEngine(DeepSpeedEngine):
         return kind
 
     # -------------------------------------------------------------- backward
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        # The optimizer divides by the global micro-batch count, so the loss is not divided here.
-        # scale_wrt_gas=False means the caller already divided it (Hugging Face Trainer does):
-        # undo that when accumulating, so every micro-batch still weighs 1/count in the mean.
-        self.optimizer.grad_prescale = 1.0 if scale_wrt_gas else float(self.gradient_accumulation_steps())
-        try:
-            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-        finally:
-            self.optimizer.grad_prescale = 1.0
-        if scale_wrt_gas and isinstance(out, torch.Tensor):
-            out = out / self.gradient_accumulation_steps()
-        return out
-
-    def _backward_prologue_per_tensor(self, grad):
-        # Direct tensor.backward(): same rule, no 1/gradient_accumulation_steps.
-        return grad
-
     def _backward_epilogue(self):
         """After every backward (its gradients are already in the accumulator): count the micro-batch, and
         end the round when it is due."""

@@ -15,10 +15,11 @@ replaces how gradients travel:
   round's job (``runtime.job.RoundJob``: reduce-scatter, Peek or commit,
   all-gather over the same buffer).
 
-Gradients are averaged per micro-batch: micro-batch losses are not divided
-by anything, the reduced sum is divided by the global micro-batch count,
-which is all-reduced with the gradient norms. So adaptive accumulation
-(different counts per worker) still yields the exact mean.
+Gradients are averaged per micro-batch: micro-batch losses are divided by
+``gradient_accumulation_steps`` as in stock DeepSpeed (same 16-bit headroom),
+the job multiplies that back and divides the reduced sum by the global
+micro-batch count, all-reduced with the gradient norms. So adaptive
+accumulation (different counts per worker) still yields the exact mean.
 
 The engine reads finished commits with ``take_commits()`` (it steps the LR
 scheduler and counts ``global_steps`` there) between ``finish_round`` and
@@ -81,7 +82,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
                               self.round_robin_bit16_offsets, self.bit16_groups_flat)
         self.log = RoundLog()
         self.kept = KeptShard()
-        self.grad_prescale = 1.0  # set by the engine when the caller pre-divided the loss
         self.local_micro = 0  # micro-batches accumulated in the current round
         self.round_scale = float(self.loss_scale)  # loss scale of the current round's gradients
         self.pending: Optional[CommResult] = None  # finished job whose round has not ended yet
@@ -108,7 +108,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def _accumulate(self, group: int, offset: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: add ``param.grad`` into the accumulator and free it."""
         dst = self.buffers[group].acc.narrow(0, offset, param.numel())
-        dst.add_(param.grad.reshape(-1), alpha=self.grad_prescale)
+        dst.add_(param.grad.reshape(-1))
         param.grad = None
 
     def count_micro_batch(self) -> None:
@@ -183,22 +183,33 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         local_micro, loss_scale = handed
         self.comm.submit(RoundJob(rnd, self.buffers, self.single_partition_of_fp32_groups, self.update, self.kept,
                                   self.comm.group, self.rank, self.world_size, local_micro, loss_scale,
+                                  loss_divisor=self.gradient_accumulation_steps,
                                   clip=self.clip_grad, delay_s=self.acco.emulation.comm_delay_s))
 
     def _after_result(self, rnd, result: CommResult) -> None:
-        """Main-thread bookkeeping of a finished job: loss scale (read by backward), ZeRO's lazy state link."""
+        """Main-thread bookkeeping of a finished job: ZeRO's lazy state link, and the loss scaler once
+        per committed step, as stock ZeRO-1 updates it once per step."""
         self.overflow = not result.finite
-        if result.commits and result.finite:
+        if not result.commits:
+            return  # a Peek's overflow is part of the step its commit reports
+        if result.finite:
             self._lazy_init_hp_params_optimizer_state()
-        if result.new_overflow:
             if self.dynamic_loss_scale:
+                self.loss_scaler.update_scale(False)
+            return
+        why = "check the learning rate, data and gradient_clipping"
+        if self.dynamic_loss_scale:
+            before = self.loss_scale
+            if result.overflow_scale > before:
+                # Computed at a scale the scaler has lowered since (the pipeline runs one round ahead):
+                # lowering it again would count one overflow twice.
+                why = f"part of it was computed at loss scale {result.overflow_scale:g}, since lowered to {before:g}"
+            else:
                 self.loss_scaler.update_scale(True)
-            logger.warning(f"ACCO: non-finite gradients in round {rnd.index} (rank {self.rank}); the update is "
-                           f"skipped on every rank" + (f", loss scale lowered to {self.loss_scale}"
-                                                       if self.dynamic_loss_scale else
-                                                       ": check the learning rate, data and gradient_clipping"))
-        elif result.commits and result.finite and self.dynamic_loss_scale:
-            self.loss_scaler.update_scale(False)
+                why = (f"loss scale lowered from {before:g} to {self.loss_scale:g}" if self.loss_scale < before else
+                       f"loss scale kept at {before:g} (fp16.hysteresis: lowered after more overflows)")
+        logger.warning(f"ACCO: non-finite gradients in the step committed by round {rnd.index} (rank {self.rank}); "
+                       f"the update is skipped on every rank: {why}")
 
     # ------------------------------------------------- what users read
     def drain(self) -> None:

@@ -57,6 +57,7 @@ class CommResult:
     grad_norm: float  # norm of the mean gradient, before clipping (nan/inf if non-finite)
     finite: bool  # the update was applied (False: skipped, parameters unchanged)
     new_overflow: bool  # the newly reduced part had non-finite values
+    overflow_scale: float = math.inf  # smallest loss scale at which a part of the gradient was non-finite
     comm_s: float = 0.0
     phases: Phases = field(default_factory=Phases)
 
@@ -71,6 +72,7 @@ class KeptShard:
     micro-batches its kept shard sums, and whether it was finite."""
     count: int = 0
     finite: bool = True
+    overflow_scale: float = math.inf  # loss scale at which it was non-finite (inf: it was finite)
 
 
 @dataclass
@@ -78,7 +80,10 @@ class RoundJob:
     """One round's communication job; call it on the communication thread.
 
     ``rnd`` is the ``algorithms.rounds.Round`` whose communication this is,
-    ``local_micro`` and ``loss_scale`` describe the handed-over gradients.
+    ``local_micro`` and ``loss_scale`` describe the handed-over gradients;
+    each micro-batch loss was divided by ``loss_divisor`` before backward, as
+    DeepSpeed does (``gradient_accumulation_steps``), so that 16-bit gradients
+    keep stock DeepSpeed's headroom; the unscale multiplies it back.
     """
     rnd: Round
     buffers: list  # buffers.FlatBuffers, one per ZeRO-1 group
@@ -90,6 +95,7 @@ class RoundJob:
     world_size: int
     local_micro: int
     loss_scale: float
+    loss_divisor: float = 1.0
     clip: float = 0.0
     delay_s: float = 0.0  # benchmark emulation of a slow network
 
@@ -121,7 +127,7 @@ class RoundJob:
     def unscale(self):
         """fp32 shard = reduced / loss scale (+ the kept part in a real round);
         returns the squared norms of the new part and of the whole."""
-        inv_scale = 1.0 / self.loss_scale
+        inv_scale = self.loss_divisor / self.loss_scale
         for buf in self.buffers:
             if self.rnd.keep_shard:  # estimate round: the real round adds this part again
                 buf.kept.copy_(buf.reduced)
@@ -157,10 +163,14 @@ class RoundJob:
         else:
             for out, master in zip(outs, self.masters):
                 out.copy_(master)
+        new_overflow = not math.isfinite(new_sq)
+        overflow_scale = self.loss_scale if new_overflow else math.inf
+        if self.rnd.add_kept_shard:
+            overflow_scale = min(overflow_scale, self.kept.overflow_scale)
         if self.rnd.keep_shard:
-            self.kept.count, self.kept.finite = total, finite
-        return CommResult(self.rnd.index, self.rnd.comm, total, worker_micro, norm, finite,
-                          new_overflow=not math.isfinite(new_sq))
+            self.kept.count, self.kept.finite, self.kept.overflow_scale = total, finite, overflow_scale
+        return CommResult(self.rnd.index, self.rnd.comm, total, worker_micro, norm, finite, new_overflow,
+                          overflow_scale)
 
     def all_gather(self) -> None:
         for buf, out in zip(self.buffers, self.outputs()):

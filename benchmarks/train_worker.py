@@ -1,0 +1,205 @@
+"""One rank of the cluster benchmark (benchmarks/cluster.py): the quickstart GPT of
+examples/train_gpt.py (same model, data and summary, imported from there), plus what a
+measurement needs.
+
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python benchmarks/train_worker.py \
+        --deepspeed_config configs/acco_cpu.json --steps 12 --warmup_steps 3 --results out.json
+
+What it adds to the example:
+
+* ``--mode`` / ``--accumulation`` override the config's acco block (``--mode zero1`` removes it:
+  stock DeepSpeed); ``--tokens`` sets the run's length as a token budget.
+* ``--warmup_steps``: the throughput figures (``measured_*``) leave the first steps out; the window
+  runs from commit to commit, evaluations excluded.
+* Bytes on the wire: when gloo is bound to one interface (GLOO_SOCKET_IFNAME, a veth of
+  ``harness.Network``), each rank reads its interface's tx counter and TCP retransmits at both ends of
+  the measured window, and rank 0 all-gathers them (``measured_tx_bytes_per_rank``).
+* ``--slow_rank R --slow_factor F`` (benchmark only): rank R's micro-batches take F times as long. ACCO
+  runs get the engine's ``acco.emulation`` block; stock DeepSpeed has none, so this loop sleeps
+  (F - 1) x the micro-batch's compute time after its backward, the same way.
+* ``--results``: a JSON record (rank 0): throughput, losses and validation history, ACCO round
+  figures, per-rank micro-batch counts, peak memory.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from train_gpt import (GPT, Batches, evaluate, gather_counts, load_corpus, param_groups,  # noqa: E402
+                       print_summary, run_label)
+
+import deepspeed  # noqa: E402
+from harness import link_tx_bytes  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import acco_ds  # noqa: E402
+
+
+def acco_totals(engine):
+    """Cumulative ACCO round figures (None for a stock engine)."""
+    if not hasattr(engine, "acco_stats"):
+        return None
+    s = engine.acco_stats()
+    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
+                              "stats_allreduce_s", "update_s", "all_gather_s")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser.add_argument("--steps", type=int, default=30, help="committed optimizer steps")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="stop after this many training tokens (overrides --steps)")
+    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1"], default=None,
+                        help="override the config's acco.mode; zero1 removes the acco block (stock DeepSpeed)")
+    parser.add_argument("--accumulation", choices=["fixed", "adaptive"], default=None)
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
+    parser.add_argument("--eval_interval", type=int, default=10, help="committed steps between validations")
+    parser.add_argument("--eval_batches", type=int, default=8)
+    parser.add_argument("--warmup_steps", type=int, default=0, help="steps excluded from the throughput figures")
+    parser.add_argument("--slow_rank", type=int, default=-1, help="benchmark only: slow this rank's compute")
+    parser.add_argument("--slow_factor", type=float, default=1.0)
+    parser.add_argument("--results", default=None, help="write a JSON summary here (rank 0)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    deepspeed.init_distributed()
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    if args.mode == "zero1":
+        config.pop("acco", None)
+    elif args.mode or args.accumulation or (args.slow_factor > 1 and "acco" in config):
+        config.setdefault("acco", {"enabled": True})
+        if args.mode:
+            config["acco"]["mode"] = args.mode
+        if args.accumulation:
+            config["acco"]["accumulation"] = args.accumulation
+        if args.slow_factor > 1:
+            config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
+    args.deepspeed_config = None  # the dict below is the config now
+
+    torch.manual_seed(args.seed)
+    data = load_corpus(args.corpus_bytes)
+    split = int(0.9 * len(data))
+    model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
+    opt_params = config.get("optimizer", {}).get("params", {})
+    engine, _, _, _ = acco_ds.initialize(args=args, model=model,
+                                         model_parameters=param_groups(model, opt_params.get("weight_decay", 0.0)),
+                                         config=config)
+    device = engine.device
+    micro_bs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    train = Batches(data[:split], args.block_size, micro_bs, seed=args.seed + 1 + rank)
+    val = Batches(data[split:], args.block_size, micro_bs, seed=args.seed)
+    tokens_per_step = micro_bs * gas * world * args.block_size
+    steps = math.ceil(args.tokens / tokens_per_step) if args.tokens else args.steps
+    label = run_label(config)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"GPT {n_params / 1e6:.2f}M params | {label} | {world} ranks | micro-batch {micro_bs} x "
+              f"{gas} accumulation | {tokens_per_step} tokens/step | {steps} steps | corpus {len(data) / 1e6:.1f}MB "
+              f"of stdlib source", flush=True)
+
+    history = [{"step": 0, "tokens": 0, "time": 0.0, "val_loss": evaluate(engine, val, args.eval_batches, device)}]
+    bar = tqdm(total=steps, unit="step", dynamic_ncols=True) if rank == 0 else None
+    # Benchmark only: stock DeepSpeed has no ACCO emulation block, so slow its rank here, the same way.
+    slow_here = args.slow_factor > 1 and rank == args.slow_rank and not config.get("acco", {}).get("enabled")
+    micro, losses, eval_time = 0, [], 0.0
+    start = time.perf_counter()
+    warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
+    end = warm
+    while engine.global_steps < steps:
+        x, y = train.get(micro)
+        before = engine.global_steps
+        t0 = time.perf_counter()
+        loss = engine(x.to(device), y.to(device))
+        engine.backward(loss)  # with ACCO, a round may end here and commit a step
+        if slow_here:
+            time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
+        engine.step()
+        micro += 1
+        losses.append(loss.item())
+        if engine.global_steps == before:
+            continue
+        # A step was committed: the module holds the new parameters.
+        first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
+        if first_after_warmup or engine.global_steps >= steps:
+            # The measured window runs from commit to commit (a final evaluation, which waits for the round
+            # already in flight and may commit it, stays outside).
+            mark = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
+                    "samples": engine.global_samples, "stats": acco_totals(engine), "tx": link_tx_bytes()}
+            if first_after_warmup:
+                warm = mark
+            end = mark
+        elapsed = time.perf_counter() - start - eval_time
+        tokens = engine.global_steps * tokens_per_step
+        train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
+        if engine.global_steps % args.eval_interval == 0 or engine.global_steps == steps:
+            t0 = time.perf_counter()
+            history.append({"step": engine.global_steps, "tokens": tokens, "time": elapsed,
+                            "val_loss": evaluate(engine, val, args.eval_batches, device), "train_loss": train_loss})
+            eval_time += time.perf_counter() - t0
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens / elapsed:,.0f}")
+    elapsed = end["time"] - start
+    measured = end["time"] - warm["time"]
+    measured_steps = end["step"] - warm["step"]
+    if bar is not None:
+        bar.close()
+
+    summary = {
+        "label": label, "world_size": world, "steps": end["step"], "tokens": end["step"] * tokens_per_step,
+        "train_time_s": elapsed, "tokens_per_s": end["step"] * tokens_per_step / elapsed,
+        "samples_per_s": end["samples"] / elapsed, "step_time_s": elapsed / max(end["step"], 1),
+        "first_loss": history[0]["val_loss"], "final_val_loss": history[-1]["val_loss"],
+        "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
+        "micro_batches": micro, "skipped_steps": engine.skipped_steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        # Throughput after --warmup_steps (all steps when 0).
+        "measured_steps": measured_steps, "measured_time_s": measured,
+        "measured_samples_per_s": (end["samples"] - warm["samples"]) / measured,
+        "measured_step_time_s": measured / max(measured_steps, 1),
+    }
+    if end["tx"] is not None:  # bytes this rank sent on gloo's interface over the measured steps
+        sent = torch.tensor([float(a - b) for a, b in zip(end["tx"], warm["tx"])], dtype=torch.float64,
+                            device=device)
+        gathered = [torch.zeros_like(sent) for _ in range(world)]
+        deepspeed.comm.all_gather(gathered, sent)
+        summary["measured_tx_bytes_per_rank"] = [int(t[0].item()) for t in gathered]
+        summary["measured_tcp_retransmits_per_rank"] = [int(t[1].item()) for t in gathered]
+    if hasattr(engine, "acco_stats"):
+        stats = engine.acco_stats()
+        stats.pop("last_rounds", None)
+        stats["micro_batches_per_rank"] = gather_counts(micro, device)
+        if warm["stats"] is not None:
+            stats["measured"] = {k: end["stats"][k] - warm["stats"][k] for k in end["stats"]}
+        summary["acco"] = stats
+    if rank == 0:
+        print_summary(label, world, device, summary["steps"], summary["tokens"], elapsed, summary["first_loss"],
+                      summary["final_val_loss"], summary["final_train_loss"], summary.get("acco"))
+        if args.results:
+            os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+            with open(args.results, "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"results        : {args.results}")
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()
