@@ -9,6 +9,7 @@ a ``DeepSpeedConfigModel`` (pydantic 2, unknown keys rejected, ``"auto"``
 treated as "use the default"), one documented field per key.
 """
 
+import typing
 from typing import Literal, Optional
 
 import torch
@@ -43,6 +44,49 @@ class ACCOEmulationConfig(_Documented):
     that forward+backward."""
 
 
+LOCAL_SGD_MODES = ("diloco", "co2")
+ROUND_MODES = ("acco", "dpu", "sync")
+
+# Outer-optimizer defaults per mode (DiLoCo's paper; CO2's released code).
+OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
+                  "co2": {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False}}
+
+
+class LocalSGDConfig(_Documented):
+    """The local-SGD family (DiLoCo, CO2): replicas train alone for ``sync_every``
+    inner steps, then their pseudo-gradients are averaged into an outer step."""
+
+    sync_every: int = Field(20, ge=1)
+    """Inner steps per period (H): a replica syncs with the others every this many optimizer steps."""
+
+    replica_group_size: Optional[int] = Field(None, ge=1)
+    """Ranks per replica group (k); inside a group every inner step is ZeRO-1 over the group's links.
+    ``"auto"`` (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
+    world size and leave at least two replicas."""
+
+    outer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """Outer learning rate (η; α in CO2). Default: 0.7 in ``diloco``, 1.0 in ``co2``."""
+
+    outer_momentum: Optional[float] = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    """Outer momentum (μ; β in CO2). Default: 0.9 in ``diloco``, 0.5 in ``co2``."""
+
+    nesterov: Optional[StrictBool] = None
+    """Nesterov outer momentum (torch's SGD). Default: true in ``diloco``, false (heavy ball) in ``co2``."""
+
+    staleness_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``co2`` only: λ, the pseudo-gradient enters the momentum as δ̄/λ (default 1)."""
+
+    outer_momentum_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``co2`` only: clamp the outer momentum element-wise to [-c, c] (default: no clipping)."""
+
+    def resolved(self, mode: str) -> dict:
+        """The outer settings of ``mode``, defaults filled in."""
+        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in OUTER_DEFAULTS[mode].items()}
+        out["staleness_penalty"] = self.staleness_penalty if self.staleness_penalty is not None else 1.0
+        out["outer_momentum_clip"] = self.outer_momentum_clip
+        return out
+
+
 class ACCOConfig(_Documented):
     """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613).
 
@@ -59,7 +103,7 @@ class ACCOConfig(_Documented):
     boolean only: ``"yes"``, ``"on"`` or ``1`` are rejected, so a typo never
     turns ACCO on or off silently."""
 
-    mode: Literal["acco", "dpu", "sync"] = "acco"
+    mode: Literal["acco", "dpu", "sync", "diloco", "co2"] = "acco"
     """``acco``: two rounds per optimizer step, the first estimates the next
     parameters with a Peek of the optimizer (delay compensation), the second
     commits; communication of each half-batch hides behind the compute of the
@@ -91,8 +135,40 @@ class ACCOConfig(_Documented):
     fails, every rank raises an error within about this time instead of
     hanging."""
 
+    local_sgd: Optional[LocalSGDConfig] = None
+    """Settings of the local-SGD modes (``diloco``, ``co2``): see ``LocalSGDConfig``."""
+
     emulation: ACCOEmulationConfig = Field(default_factory=ACCOEmulationConfig)
     """Benchmark/test only: see ``ACCOEmulationConfig``."""
+
+    @property
+    def local(self) -> bool:
+        """A local-SGD mode (``diloco``, ``co2``)."""
+        return self.mode in LOCAL_SGD_MODES
+
+    @property
+    def outer(self) -> dict:
+        """The resolved outer settings of a local-SGD mode."""
+        return (self.local_sgd or LocalSGDConfig()).resolved(self.mode)
+
+    @model_validator(mode="after")
+    def _check_local_sgd(self):
+        if self.local_sgd is not None and not self.local:
+            raise ValueError(f'acco.local_sgd configures the local-SGD modes ({", ".join(LOCAL_SGD_MODES)}) but '
+                             f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"')
+        if self.local:
+            acco_only = [k for k in ("accumulation", "max_micro_batches_per_round") if k in self.model_fields_set]
+            if acco_only:
+                raise ValueError(f'acco.{acco_only[0]} belongs to the ACCO round modes (acco, dpu, sync), not to '
+                                 f'acco.mode="{self.mode}": remove it (inner steps accumulate '
+                                 f'gradient_accumulation_steps micro-batches, as ZeRO-1 does)')
+            ls = self.local_sgd
+            if self.mode == "diloco" and ls is not None:
+                for key in ("staleness_penalty", "outer_momentum_clip"):
+                    if getattr(ls, key) is not None:
+                        raise ValueError(f'acco.local_sgd.{key} applies to mode "co2" (its stale pseudo-gradient), '
+                                         f'not to mode "diloco": remove it or set acco.mode to "co2"')
+        return self
 
     @model_validator(mode="after")
     def _check_adaptive(self):
@@ -100,6 +176,10 @@ class ACCOConfig(_Documented):
             raise ValueError('acco.accumulation="adaptive" needs an overlapping mode: '
                              'set acco.mode to "acco" or "dpu", or use accumulation="fixed" with mode="sync"')
         return self
+
+    def round_mode(self) -> str:
+        """The round schedule that drives the ZeRO-1 steps: local-SGD inner steps are ``sync`` rounds."""
+        return "sync" if self.local else self.mode
 
     def micro_batches_per_round(self, gradient_accumulation_steps: int) -> int:
         """Minimum (and, in fixed accumulation, exact) micro-batches per round."""
@@ -122,9 +202,11 @@ def _unknown_keys(model, block: dict, prefix: str) -> list:
         if field is None:
             known = ", ".join(model.model_fields)
             lines.append(f'unknown key "{prefix}.{key}" (misspelled?). Known keys: {known}')
-        elif isinstance(value, dict) and isinstance(field.annotation, type) \
-                and issubclass(field.annotation, DeepSpeedConfigModel):
-            lines += _unknown_keys(field.annotation, value, f"{prefix}.{key}")
+        elif isinstance(value, dict):
+            nested = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, DeepSpeedConfigModel)]
+            if nested:
+                lines += _unknown_keys(nested[0], value, f"{prefix}.{key}")
     return lines
 
 
@@ -206,6 +288,8 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
         if high < low:
             problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
                             f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
+    if acco.local:
+        problems += _replica_problems(acco, int(ds_config.world_size))
     zc = ds_config.zero_config
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
@@ -219,6 +303,29 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
         problems.append('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to the '
                         'DeepSpeed config or pass optimizer= to initialize')
     _raise(problems)
+
+
+def replica_group_size(acco: ACCOConfig, world_size: int) -> int:
+    """k: the configured ``replica_group_size``, or the ranks per node (``LOCAL_WORLD_SIZE``)."""
+    import os
+    k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
+    if k is None:  # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+        k = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size
+    return int(k)
+
+
+def _replica_problems(acco: ACCOConfig, world_size: int) -> list:
+    k = replica_group_size(acco, world_size)
+    how = "acco.local_sgd.replica_group_size" + ("" if acco.local_sgd and acco.local_sgd.replica_group_size else
+                                                 ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE, the ranks per node)')
+    if world_size % k:
+        return [f"{how} is {k}, which does not divide the data-parallel world size {world_size}: set "
+                f"acco.local_sgd.replica_group_size to a divisor of {world_size}"]
+    if k == world_size:
+        return [f'{how} is {k}, the whole data-parallel world: one replica, nothing to average. Set '
+                f'acco.local_sgd.replica_group_size to a divisor of {world_size} below it (1 = DiLoCo as published), '
+                f'or use acco.mode="sync" for plain ZeRO-1']
+    return []
 
 
 def _raise(problems) -> None:

@@ -107,6 +107,9 @@ def run(spec, rank, world):
         if engine.global_steps != last and len(out["params"]) < target - spec.get("start_step", 0):
             out["params"].append(flat(engine.module))
             out["norms"].append(engine.get_global_grad_norm())
+            if spec.get("record_committed"):  # what users read: the anchor in local-SGD modes
+                out.setdefault("committed", []).append(
+                    torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()]))
         last = engine.global_steps
 
     def one_micro_batch():

@@ -14,6 +14,8 @@ import re
 import shutil
 from dataclasses import asdict
 
+import torch.distributed as tdist
+
 from ..config import checkpoint_mismatch
 from ..runtime import collectives
 from ..runtime.job import result_from_dict
@@ -45,12 +47,15 @@ def save_state(opt) -> dict:
         "pending": asdict(pending) if pending is not None else None,
         "pending_part": [_my_part(opt, b.gathered, i).clone() for i, b in enumerate(opt.buffers)]
         if pending is not None else None,
+        "local_sgd": opt.local_sgd.state_dict() if opt.local_sgd is not None else None,
     }
 
 
 def find_state(opt, state_dict_list):
     """This rank's ACCO state in the loaded optimizer states (None: saved without ACCO), checked."""
-    mine = state_dict_list[opt.rank] if state_dict_list is not None and opt.rank < len(state_dict_list) else {}
+    rank = tdist.get_rank(opt.dp_process_group) if opt.local_sgd is None else opt.local_sgd.groups.replica_ranks[
+        opt.local_sgd.groups.shard]
+    mine = state_dict_list[rank] if state_dict_list is not None and rank < len(state_dict_list) else {}
     acco = mine.get(ACCO_STATE_KEY)
     if acco is not None:
         check_state(opt, acco)
@@ -82,6 +87,12 @@ def load_state(opt, acco: dict) -> None:
     for i, (flat, saved) in enumerate(zip(opt.bit16_groups_flat, acco["compute_part"])):
         _my_part(opt, flat, i).copy_(saved)
         collectives.all_gather(flat, _my_part(opt, flat, i), group)
+    if opt.local_sgd is not None:
+        if acco.get("local_sgd") is None:
+            raise ValueError("this checkpoint was saved without a local-SGD mode: its replicas have no anchor to "
+                             "resume from. Load only the module weights (load_checkpoint(..., "
+                             "load_optimizer_states=False, load_lr_scheduler_states=False))")
+        opt.local_sgd.load_state_dict(acco["local_sgd"])
     opt.pending = result_from_dict(acco["pending"])
     if opt.pending is not None:
         for i, (buf, saved) in enumerate(zip(opt.buffers, acco["pending_part"])):

@@ -31,19 +31,19 @@ workers contribute different counts.
 """
 
 import contextlib
-import functools
 
 import deepspeed.runtime.engine as ds_engine
-import torch
 import torch.distributed as tdist
+from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist, logger
 
-from ..config import check_deepspeed_config, parse_acco_config
 from ..algorithms.rounds import COMMIT
+from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.dtypes import dtype_name
 from ..runtime.job import CommResult
 from . import checkpoint
+from .local_sgd import make_groups
 from .zero1 import ACCOZeroOptimizer
 
 
@@ -68,6 +68,8 @@ class ACCOEngine(DeepSpeedEngine):
             raise ValueError("ACCO needs an optimizer and ZeRO stage 1 (got optimizer "
                              f"{type(self.optimizer).__name__}): set \"optimizer\" in the config or pass one to "
                              "initialize, and \"zero_optimization\": {\"stage\": 1}")
+        if self.optimizer.local_sgd is not None:
+            self.save_zero_checkpoint = True  # every replica's ranks hold their own optimizer state
         zc = self._config.zero_config
         if zc.overlap_comm:
             log_dist("ACCO: zero_optimization.overlap_comm is not used; ACCO overlaps communication with "
@@ -87,13 +89,32 @@ class ACCOEngine(DeepSpeedEngine):
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
+        acco, groups = self.acco_config, None
+        if acco.local:  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
+            dp_ranks = tdist.get_process_group_ranks(self.seq_data_parallel_group or tdist.group.WORLD)
+            groups = make_groups(dp_ranks, replica_group_size(acco, len(dp_ranks)), acco.timeout_s)
+
+        def build(*args, **kwargs):
+            if groups is not None:
+                kwargs["dp_process_group"] = groups.replica_main
+            kwargs.setdefault("communication_data_type", self.communication_data_type)
+            return ACCOZeroOptimizer(*args, acco_config=acco, local_groups=groups, **kwargs)
+
         original = ds_engine.DeepSpeedZeroOptimizer
-        ds_engine.DeepSpeedZeroOptimizer = functools.partial(ACCOZeroOptimizer, acco_config=self.acco_config,
-                                                             communication_data_type=self.communication_data_type)
+        ds_engine.DeepSpeedZeroOptimizer = build
         try:
             return super()._configure_zero_optimizer(optimizer)
         finally:
             ds_engine.DeepSpeedZeroOptimizer = original
+
+    def _get_zero_ckpt_name(self, checkpoints_path, tag):
+        # Stock names the file by the rank in the optimizer's group: a replica group in local-SGD modes,
+        # so every replica would write the same files. Name it by the data-parallel rank instead.
+        if getattr(self.optimizer, "local_sgd", None) is None:
+            return super()._get_zero_ckpt_name(checkpoints_path, tag)
+        dp_rank = dist.get_rank(group=self.seq_data_parallel_group)
+        return self._get_rank_zero_ckpt_name(checkpoints_path, tag, self.checkpoint_mp_rank, dp_rank,
+                                             self.bfloat16_enabled())
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
         # Stock DeepSpeed sends bf16 + grad_accum_dtype=fp32 to BF16_Optimizer; ACCO keeps ZeRO-1
@@ -169,7 +190,9 @@ class ACCOEngine(DeepSpeedEngine):
             self.skipped_steps += 1
         self._global_grad_norm = result.grad_norm
         self.global_steps += 1
-        self.global_samples += result.global_micro * self.train_micro_batch_size_per_gpu()
+        self.global_samples += result.global_micro * self.optimizer.replicas * self.train_micro_batch_size_per_gpu()
+        if self.optimizer.local_sgd is not None:
+            self.optimizer.local_sgd.after_inner_step()
         if self.steps_per_print() and self.global_steps % self.steps_per_print() == 0:
             self._report_progress(self.global_steps)
             s = self.optimizer.round_stats()
@@ -267,6 +290,8 @@ class ACCOEngine(DeepSpeedEngine):
         while left or opt.schedule.current.comm not in (None, COMMIT):
             self._acco_end_round()
             left = 0
+        if opt.local_sgd is not None:
+            opt.local_sgd.finalize()  # every replica ends on one model
         opt.finalize()
         self._acco_count_commits()
         return self.global_steps > steps

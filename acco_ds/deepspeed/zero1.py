@@ -43,6 +43,7 @@ from ..runtime.job import CommResult, KeptShard, RoundJob
 from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
 from . import checkpoint
+from .local_sgd import LocalSGD
 from .views import ParamView
 
 
@@ -52,7 +53,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     ``communication_data_type`` (the reduce-scatter dtype)."""
 
     def __init__(self, *args, acco_config: ACCOConfig, communication_data_type: Optional[torch.dtype] = None,
-                 **kwargs):
+                 local_groups=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.acco = acco_config
         self.schedule = self._new_schedule()
@@ -64,7 +65,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)
-        self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s)
+        self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
+                               group=local_groups.replica_side if local_groups is not None else None)
 
         self.accum_dtype = self.gradient_accumulation_dtype or self.dtype
         self.comm_dtype = communication_data_type or self.dtype
@@ -81,6 +83,9 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.view = ParamView(self.round_robin_bit16_groups, self.round_robin_bit16_meta,
                               self.round_robin_bit16_offsets, self.bit16_groups_flat)
         self.log = RoundLog()
+        # Local-SGD modes: this ZeRO-1 group is one replica; the outer loop syncs the replicas.
+        self.local_sgd = LocalSGD(self, acco_config, local_groups) if local_groups is not None else None
+        self.replicas = local_groups.replicas if local_groups is not None else 1
         self.kept = KeptShard()
         self.local_micro = 0  # micro-batches accumulated in the current round
         self.round_scale = float(self.loss_scale)  # loss scale of the current round's gradients
@@ -93,7 +98,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _new_schedule(self) -> RoundSchedule:
         gas = self.gradient_accumulation_steps
-        return RoundSchedule(self.acco.mode, self.acco.micro_batches_per_round(gas), self.acco.max_micro_batches(gas))
+        return RoundSchedule(self.acco.round_mode(), self.acco.micro_batches_per_round(gas),
+                             self.acco.max_micro_batches(gas))
 
     # ------------------------------------------------------------------ hooks
     def create_gradient_handling_hooks(self):
@@ -223,6 +229,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         weights, when the compute parameters hold something else (an
         estimate, or the iterate before a finished commit); None when the
         compute parameters are the committed weights."""
+        if self.local_sgd is not None:
+            return self.local_sgd.anchor_flats()  # the last global model
         if self.pending is not None and self.pending.commits:
             return [buf.gathered for buf in self.buffers]
         return None
@@ -231,7 +239,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         """Point the module's parameters at the committed weights (no copy)
         until ``view.restore()``; nests."""
         self.drain()
-        self.view.show(self.committed_flats())
+        self.view.show(self.committed_flats() if self.view.depth == 0 else None)  # nested: the outer read shows
 
     def finalize(self) -> bool:
         """Install the committed weights of the in-flight commit and restart
@@ -262,6 +270,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             h.remove()
         self._hooks = []
         self.comm.close()
+        if self.local_sgd is not None:
+            self.local_sgd.close()
         super().destroy()
 
     def state_dict(self):
@@ -276,6 +286,9 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             self.comm.wait()
         self.view.restore()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
+        if self.local_sgd is not None and state_dict_list is not None:
+            # The files are per data-parallel rank; ZeRO-1 indexes them by rank in its (replica) group.
+            state_dict_list = [state_dict_list[r] for r in self.local_sgd.groups.replica_ranks]
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
                                 load_serial, param_shapes)
         self._reset_rounds()

@@ -31,18 +31,21 @@ class CommWorker:
     """Runs communication jobs on a side thread.
 
     Args:
-        ranks: global ranks of the data-parallel group.
+        ranks: global ranks of the group the jobs communicate in.
         device: the compute device; a CUDA device gets a side stream.
         timeout_s: timeout of the side process group; ``wait()`` gives up a
             little after it.
+        group: that side group, if the caller created it (else it is created here).
     """
 
-    def __init__(self, ranks, device: torch.device, timeout_s: float = 1800.0):
+    def __init__(self, ranks, device: torch.device, timeout_s: float = 1800.0, group=None):
         self.ranks = list(ranks)
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
-        # Collective: every rank of the job must create it in the same order.
-        self.group = dist.new_group(ranks=self.ranks, timeout=timedelta(seconds=self.timeout_s))
+        # Collective: every rank of the job must create it in the same order. A caller that splits the
+        # ranks into subgroups creates them all (new_subgroups_by_enumeration) and passes its own.
+        self.group = group if group is not None else dist.new_group(ranks=self.ranks,
+                                                                    timeout=timedelta(seconds=self.timeout_s))
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._ready_event = None

@@ -159,4 +159,105 @@ def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return parameters_to_vector([p.detach() for p in module.parameters() if p.requires_grad])
 
 
-__all__: List[str] = ["simulate", "clip_coefficient", "flat_params"]
+__all__: List[str] = ["simulate", "simulate_local_sgd", "clip_coefficient", "flat_params"]
+
+
+def simulate_local_sgd(mode: str,
+                       model: torch.nn.Module,
+                       loss_fn: Callable,
+                       micro_batch: Callable,
+                       *,
+                       world_size: int,
+                       group_size: int,
+                       gradient_accumulation_steps: int,
+                       steps: int,
+                       sync_every: int,
+                       optimizer_fn: Callable,
+                       outer_lr: float,
+                       outer_momentum: float,
+                       nesterov: bool,
+                       staleness_penalty: float = 1.0,
+                       momentum_clip: Optional[float] = None,
+                       lr_lambda: Optional[Callable] = None,
+                       clip: float = 0.0,
+                       dtype: torch.dtype = torch.float64) -> dict:
+    """``diloco`` / ``co2`` (DESIGN.md section 7) with ``R = world_size / group_size`` replicas.
+
+    Replica ``g`` is the ranks ``g*k .. g*k+k-1``; each of its inner steps is
+    one full-batch step of its own optimizer on the ``k * gas`` micro-batches
+    those ranks draw (rank r's i-th is ``micro_batch(r, i)``), clipped by the
+    replica's global norm. Every ``sync_every`` inner steps::
+
+        diloco:  δ_i = x − θ_i;  x = Outer(x, mean δ);  θ_i = x
+        co2:     δ_i = s_i − θ_i;  if a mean is in flight: x = Outer(x, it);  θ_i = s_i = x − δ_i;
+                 the mean of this δ is in flight until the next sync
+
+    Returns ``{"replicas": [[θ_g after inner step t] per step] per replica, "anchor": [x after step t]}``.
+    """
+    k, R = group_size, world_size // group_size
+    per_step = gradient_accumulation_steps
+    replicas, opts, scheds = [], [], []
+    for _ in range(R):
+        rep = copy.deepcopy(model).to(dtype)
+        replicas.append(rep)
+        opts.append(optimizer_fn(rep))
+        scheds.append(torch.optim.lr_scheduler.LambdaLR(opts[-1], lr_lambda) if lr_lambda is not None else None)
+    params = [[p for p in rep.parameters() if p.requires_grad] for rep in replicas]
+    theta = lambda g: parameters_to_vector([p.detach() for p in params[g]]).clone()  # noqa: E731
+    x = theta(0)
+    m = torch.zeros_like(x)
+    starts = [x.clone() for _ in range(R)]
+    in_flight = None
+    nxt = [0] * world_size
+    out = {"replicas": [[] for _ in range(R)], "anchor": []}
+
+    def outer(mean_delta):
+        g = mean_delta / staleness_penalty
+        m.mul_(outer_momentum).add_(g)
+        if momentum_clip is not None:
+            m.clamp_(-momentum_clip, momentum_clip)
+        x.sub_(g + outer_momentum * m if nesterov else m, alpha=outer_lr)
+
+    def inner_step(g):
+        for p in params[g]:
+            p.grad = None
+        n = 0
+        for r in range(g * k, (g + 1) * k):
+            for _ in range(per_step):
+                loss_fn(replicas[g], micro_batch(r, nxt[r])).backward()
+                nxt[r] += 1
+                n += 1
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params[g]]
+        norm = float(parameters_to_vector(grads).div(n).norm())
+        for p, grad in zip(params[g], grads):
+            p.grad = grad / n * clip_coefficient(norm, clip)
+        opts[g].step()
+        if scheds[g] is not None:
+            scheds[g].step()
+
+    def set_replica(g, value):
+        with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input
+            vector_to_parameters(value.to(dtype).clone(), params[g])
+
+    for step in range(1, steps + 1):
+        for g in range(R):
+            inner_step(g)
+        if step % sync_every == 0:
+            if mode == "diloco":
+                outer(torch.stack([x - theta(g) for g in range(R)]).mean(0))
+                for g in range(R):
+                    set_replica(g, x)
+            elif mode == "co2":
+                deltas = [starts[g] - theta(g) for g in range(R)]
+                if in_flight is not None:
+                    outer(in_flight)
+                for g in range(R):
+                    starts[g] = x - deltas[g]
+                    set_replica(g, starts[g])
+                in_flight = torch.stack(deltas).mean(0)
+            else:
+                raise ValueError(f"unknown local-SGD mode {mode!r}")
+        for g in range(R):
+            out["replicas"][g].append(theta(g))
+        out["anchor"].append(x.clone())
+    return out

@@ -1,0 +1,95 @@
+"""The period schedule of the local-SGD family (DiLoCo, CO2), as pure logic.
+
+Replicas train alone for ``sync_every`` inner steps (a *period*), then
+synchronise: every replica's pseudo-gradient ``δ = start − end`` of the
+period is averaged across replicas and an outer optimizer step moves the
+anchor ``x`` (the last global model).
+
+``diloco`` (blocking)::
+
+    period t:  every replica starts at x_t, runs H inner steps
+    sync:      δ̄_t = mean_i δ_t^i;  x_{t+1} = OuterOpt(x_t, δ̄_t);  every replica restarts at x_{t+1}
+
+``co2`` (overlapped, one period stale)::
+
+    sync t:    send δ_t (all-reduce on the communication thread) while period t+1 computes
+    sync t+1:  wait for δ̄_t;  x_{t+1} = OuterOpt(x_t, δ̄_t);  jump to x_{t+1} − δ_{t+1}^i;  send δ_{t+1}
+
+At the first sync of ``co2`` nothing is in flight yet: the replica goes on
+from where it stood (the jump ``x_0 − δ_0 = θ_0^i``).
+
+Nothing here touches tensors or threads; the engine asks the schedule what to
+do after each inner step.
+"""
+
+from dataclasses import dataclass
+
+DILOCO, CO2 = "diloco", "co2"
+
+
+@dataclass(frozen=True)
+class Sync:
+    """What a sync point does."""
+    period: int  # index of the period that just ended
+    wait_previous: bool  # co2: wait for the previous period's averaged pseudo-gradient and apply it
+    blocking: bool  # diloco: average this period's pseudo-gradient now and apply it
+    send: bool  # co2: send this period's pseudo-gradient, applied at the next sync
+
+
+class PeriodSchedule:
+    """Inner steps grouped into periods of ``sync_every``.
+
+    Args:
+        mode: ``diloco`` | ``co2``.
+        sync_every: inner steps per period (H).
+    """
+
+    def __init__(self, mode: str, sync_every: int):
+        if mode not in (DILOCO, CO2):
+            raise ValueError(f"unknown local-SGD mode {mode!r}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.mode, self.sync_every = mode, sync_every
+        self.period = 0  # index of the current period
+        self.inner = 0  # inner steps done in the current period
+
+    @property
+    def in_flight(self) -> bool:
+        """co2: a pseudo-gradient was sent and not applied yet (from the second period on)."""
+        return self.mode == CO2 and self.period > 0
+
+    def after_inner_step(self):
+        """Count one inner step; return the ``Sync`` to run when the period ends, else None."""
+        self.inner += 1
+        if self.inner < self.sync_every:
+            return None
+        return self._end_period()
+
+    def final_sync(self):
+        """At the end of training: the sync that leaves every replica on one model (None: nothing to do)."""
+        if self.inner == 0 and not self.in_flight:
+            return None
+        # co2: apply what is in flight; then average the last (possibly partial) period at once.
+        sync = Sync(self.period, wait_previous=self.in_flight, blocking=self.inner > 0, send=False)
+        self.period, self.inner = 0, 0
+        return sync
+
+    def _end_period(self) -> Sync:
+        sync = Sync(self.period, wait_previous=self.in_flight, blocking=self.mode == DILOCO,
+                    send=self.mode == CO2)
+        self.period += 1
+        self.inner = 0
+        return sync
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "sync_every": self.sync_every, "period": self.period, "inner": self.inner}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("mode", "sync_every"):
+            if sd[key] != getattr(self, key):
+                raise ValueError(f"checkpoint was saved with local-SGD {key}={sd[key]!r} but this run has "
+                                 f"{getattr(self, key)!r}: resume with the same acco block")
+        self.period, self.inner = int(sd["period"]), int(sd["inner"])
+
+
+__all__ = ["PeriodSchedule", "Sync", "DILOCO", "CO2"]
