@@ -53,3 +53,45 @@ def test_diloco_and_co2_match_the_simulator(world, k):
         assert (a - b).abs().max() > 1e-4, "replicas trained on the same data"
     # Different settings give different trajectories (the comparison can tell them apart).
     assert (results[0][1]["committed"][-1] - results[0][2]["committed"][-1]).abs().max() > 1e-5
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["diloco", "co2"])
+def test_resume_is_exact_from_any_inner_step_and_finalize_leaves_one_model(tmp_path, mode):
+    """Save mid-period (co2: an all-reduce in flight) and right at a sync; fresh processes load and go on:
+    bit-identical to the uninterrupted run. The end of training syncs every replica onto one model."""
+    cfg = common.ds_config(acco=local(mode, 1), gas=GAS, clip=0.05)
+    full = launch({"runs": [dict(config=cfg, steps=STEPS, record_committed=True, finalize=True)]}, world_size=2,
+                  timeout=300)
+    saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (3, 4)}  # inner steps done at the save
+    launch({"runs": [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]},
+           world_size=2, timeout=300)
+    resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path, record_committed=True)
+                               for path in saves.values()]}, world_size=2, timeout=300)
+    for rank in range(2):
+        for stop, r in zip(saves, resumed[rank]):
+            want = full[rank][0]
+            assert r["loaded"]["global_steps"] == stop
+            assert torch.equal(r["loaded"]["params"], want["committed"][stop - 1]), "checkpoint holds another anchor"
+            for got, expect in zip(r["params"], want["params"][stop:]):
+                assert torch.equal(got, expect), (stop, (got - expect).abs().max())
+            for got, expect in zip(r["committed"], want["committed"][stop:]):
+                assert torch.equal(got, expect)
+    finals = [full[rank][0]["final_params"] for rank in range(2)]
+    assert torch.equal(finals[0], finals[1]), "replicas did not end on one model"
+    assert not torch.equal(full[0][0]["params"][-1], full[1][0]["params"][-1]) or mode == "diloco"
+
+
+@pytest.mark.parametrize("local_sgd, world, needle", [
+    ({"sync_every": 0}, 2, '"acco.local_sgd.sync_every": Input should be greater than or equal to 1'),
+    ({"outer_lr": 0.0}, 2, '"acco.local_sgd.outer_lr": Input should be greater than 0'),
+    ({"replica_group_size": 3}, 2, "does not divide the data-parallel world size 2"),
+    ({"replica_group_size": 2}, 2, "one replica, nothing to average"),
+    ({"staleness_penalty": 2.0}, 2, 'applies to mode "co2"'),
+])
+def test_bad_local_sgd_settings_are_rejected_at_initialize(local_sgd, world, needle):
+    """Each is refused at initialize, on every rank, before any step, naming the key and the fix."""
+    cfg = common.ds_config(acco={"mode": "diloco", "local_sgd": local_sgd}, gas=GAS)
+    results = launch({"runs": [dict(config=cfg, steps=1)]}, world_size=world, timeout=120, expect_failure=True)
+    for code, log in results:
+        assert code != 0 and needle in log, log[-2000:]

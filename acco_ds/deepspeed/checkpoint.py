@@ -14,8 +14,6 @@ import re
 import shutil
 from dataclasses import asdict
 
-import torch.distributed as tdist
-
 from ..config import checkpoint_mismatch
 from ..runtime import collectives
 from ..runtime.job import result_from_dict
@@ -53,9 +51,7 @@ def save_state(opt) -> dict:
 
 def find_state(opt, state_dict_list):
     """This rank's ACCO state in the loaded optimizer states (None: saved without ACCO), checked."""
-    rank = tdist.get_rank(opt.dp_process_group) if opt.local_sgd is None else opt.local_sgd.groups.replica_ranks[
-        opt.local_sgd.groups.shard]
-    mine = state_dict_list[rank] if state_dict_list is not None and rank < len(state_dict_list) else {}
+    mine = state_dict_list[opt.rank] if state_dict_list is not None and opt.rank < len(state_dict_list) else {}
     acco = mine.get(ACCO_STATE_KEY)
     if acco is not None:
         check_state(opt, acco)

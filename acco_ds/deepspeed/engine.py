@@ -116,6 +116,13 @@ class ACCOEngine(DeepSpeedEngine):
         return self._get_rank_zero_ckpt_name(checkpoints_path, tag, self.checkpoint_mp_rank, dp_rank,
                                              self.bfloat16_enabled())
 
+    def _get_all_zero_checkpoint_names(self, load_dir, tag, bf16_mode):
+        # ZeRO-1 reads the files by rank in its group: in local-SGD modes, this replica's ranks' files.
+        names = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
+        if names is None or getattr(self.optimizer, "local_sgd", None) is None:
+            return names
+        return [names[r] for r in self.optimizer.local_sgd.groups.replica_ranks]
+
     def _do_optimizer_sanity_check(self, basic_optimizer):
         # Stock DeepSpeed sends bf16 + grad_accum_dtype=fp32 to BF16_Optimizer; ACCO keeps ZeRO-1
         # and accumulates in fp32 itself.

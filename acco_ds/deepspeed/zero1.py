@@ -39,6 +39,7 @@ from ..algorithms.rounds import SYNC, RoundSchedule
 from ..config import ACCOConfig
 from ..runtime.buffers import FlatBuffers, allocated_bytes
 from ..runtime.comm import CommWorker
+from ..runtime.host_memory import pin_mmap_threshold
 from ..runtime.job import CommResult, KeptShard, RoundJob
 from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
@@ -68,6 +69,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
                                group=local_groups.replica_side if local_groups is not None else None)
 
+        if torch.device(self.device).type == "cpu":
+            pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.host_memory)
         self.accum_dtype = self.gradient_accumulation_dtype or self.dtype
         self.comm_dtype = communication_data_type or self.dtype
         self.buffers = [
@@ -286,9 +289,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             self.comm.wait()
         self.view.restore()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
-        if self.local_sgd is not None and state_dict_list is not None:
-            # The files are per data-parallel rank; ZeRO-1 indexes them by rank in its (replica) group.
-            state_dict_list = [state_dict_list[r] for r in self.local_sgd.groups.replica_ranks]
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
                                 load_serial, param_shapes)
         self._reset_rounds()
