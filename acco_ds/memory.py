@@ -47,9 +47,16 @@ def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtyp
     return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco").values())
 
 
+def outer_state_bytes(numel: int, group_size: int, mode: str) -> int:
+    """Local-SGD modes: fp32 shards of the anchor and outer momentum (``co2``: also the period start and the
+    in-flight pseudo-gradient), plus the pseudo-gradient computed at a sync."""
+    shards = 2 + (2 if mode == "co2" else 0) + 1
+    return shards * 4 * numel // group_size
+
+
 def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
                     dtype="bf16", grad_accum_dtype=None, communication_data_type=None, mode: str = "acco",
-                    budget_gb: float = 80.0, verbose: bool = True) -> dict:
+                    replica_group_size: Optional[int] = None, budget_gb: float = 80.0, verbose: bool = True) -> dict:
     """Model-state bytes per rank for stock ZeRO-1 and ACCO.
 
     Args:
@@ -59,7 +66,9 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         dtype: model dtype (``fp32``, ``bf16``, ``fp16``): DeepSpeed's ``bf16``/``fp16`` blocks.
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (default: the model dtype).
         communication_data_type: DeepSpeed's ``communication_data_type`` (default: the model dtype).
-        mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``).
+        mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``);
+            ``diloco``/``co2`` shard ZeRO-1 over a replica group of ``replica_group_size`` ranks (k) and add
+            the outer state: 8N/k bytes (``co2``: 16N/k) plus 4N/k at a sync.
         budget_gb: printed beside the figures (fits / does not fit).
 
     Returns a dict with ``stock_bytes``, ``acco_bytes``, ``extra_bytes`` and the inputs.
@@ -73,9 +82,17 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model_dt
     b, a = _size(model_dt), _size(accum)
     padded = padded_numel(n, gpus)
-    shards = 12 * padded // gpus  # fp32 master, Adam m and v
-    stock = b * padded + a * padded + shards + 4 * padded // gpus
-    acco = b * padded + shards + acco_buffer_bytes(padded, gpus, model_dt, accum, communication_data_type, mode)
+    stock = b * padded + a * padded + 16 * padded // gpus  # fp32 master, Adam m and v, fp32 gradient partition
+    if mode in ("diloco", "co2"):
+        k = replica_group_size or 1
+        if gpus % k or k == gpus:
+            raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
+        local = padded_numel(n, k)
+        acco = (b * local + 12 * local // k + outer_state_bytes(local, k, mode)
+                + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync"))
+    else:
+        acco = b * padded + 12 * padded // gpus + acco_buffer_bytes(padded, gpus, model_dt, accum,
+                                                                    communication_data_type, mode)
     out = {"params": n, "gpus": gpus, "mode": mode, "dtype": str(dtype), "grad_accum_dtype": str(grad_accum_dtype or dtype),
            "communication_data_type": str(communication_data_type or dtype), "stock_bytes": stock,
            "acco_bytes": acco, "extra_bytes": acco - stock}
@@ -84,7 +101,7 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         print(f"Model states per rank, {n / 1e9:.2f}B params, {gpus} ranks, model {dtype}, grad accumulation "
               f"{out['grad_accum_dtype']}, communication {out['communication_data_type']}, Adam:")
         print(f"  stock ZeRO-1 : {stock / 1e9:8.2f} GB  ({fits(stock)} in {budget_gb:g} GB)")
-        print(f"  ACCO         : {acco / 1e9:8.2f} GB  ({fits(acco)} in {budget_gb:g} GB), "
+        print(f"  ACCO {mode:<8}: {acco / 1e9:8.2f} GB  ({fits(acco)} in {budget_gb:g} GB), "
               f"+{(acco - stock) / 1e9:.2f} GB = {(acco - stock) / (b * n):.2f} x the model ({b}N bytes)")
     return out
 
@@ -97,11 +114,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--grad-accum-dtype", choices=list(DTYPES), default=None)
     p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
-    p.add_argument("--mode", choices=["acco", "dpu", "sync"], default="acco")
+    p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2"], default="acco")
+    p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2 (default 1)")
     p.add_argument("--budget-gb", type=float, default=80.0)
     args = p.parse_args(argv)
     estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
-                    communication_data_type=args.communication_data_type, mode=args.mode, budget_gb=args.budget_gb)
+                    communication_data_type=args.communication_data_type, mode=args.mode,
+                    replica_group_size=args.replica_group_size, budget_gb=args.budget_gb)
     return 0
 
 

@@ -15,6 +15,7 @@ pseudo-gradient runs on a communication thread of its own (own process group,
 own CUDA stream) for the whole next period.
 """
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional
@@ -99,10 +100,13 @@ class LocalSGD:
         if sync.wait_previous:
             self._collect()
             self._outer(self.in_flight)
-        if sync.blocking:
+        if sync.blocking:  # the compute side waits for all of it
+            t0 = time.perf_counter()
             for d in deltas:
                 tdist.all_reduce(d, group=self.groups.outer_main)
                 d.div_(self.groups.replicas)
+            self.outer_comm_s += time.perf_counter() - t0
+            self.outer_wait_s += time.perf_counter() - t0
             self._outer(deltas)
             new = self.anchor
         else:  # co2: jump to the new global model plus this replica's own progress, send that progress
@@ -122,7 +126,6 @@ class LocalSGD:
                        staleness_penalty=st["staleness_penalty"], momentum_clip=st["outer_momentum_clip"])
 
     def _all_reduce_job(self):
-        import time
         start = time.perf_counter()
         for d in self.in_flight:
             tdist.all_reduce(d, group=self.groups.outer_side)
@@ -131,7 +134,6 @@ class LocalSGD:
 
     def _collect(self) -> None:
         """co2: wait for the in-flight average (it arrives in ``in_flight``)."""
-        import time
         if self.outer_comm is not None and self.outer_comm.busy:
             t0 = time.perf_counter()
             self.outer_comm_s += self.outer_comm.wait() or 0.0
@@ -160,6 +162,13 @@ class LocalSGD:
             self._gather(buf.gathered, i, self.anchor[i])
             out.append(buf.gathered)
         return out
+
+    def stats(self) -> dict:
+        """Syncs done, and for co2 how much of the outer communication the compute side waited for."""
+        comm, wait = self.outer_comm_s, self.outer_wait_s
+        return {"syncs": self.schedule.period, "sync_every": self.schedule.sync_every, "replicas": self.groups.replicas,
+                "replica_group_size": self.groups.k, "outer_comm_s": comm, "outer_wait_s": wait,
+                "outer_hidden_fraction": max(0.0, 1.0 - wait / comm) if comm > 0 else None}
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

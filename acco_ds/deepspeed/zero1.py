@@ -310,8 +310,11 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     # -------------------------------------------------------- observability
     def round_stats(self) -> dict:
-        return dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
-                    kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes())
+        out = dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
+                   kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes())
+        if self.local_sgd is not None:
+            out.update(self.local_sgd.stats())
+        return out
 
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""
