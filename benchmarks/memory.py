@@ -154,12 +154,47 @@ def states_workload(args):
               open(out, "w"), indent=1)
 
 
+def local_sgd_workload(args):
+    """The model-states workload on 4 ranks: stock ZeRO-1 vs diloco/co2 with k = 1 and 2, measured peak RSS
+    beside ``acco-ds memory``'s estimate (fp32)."""
+    import torch
+
+    import memory_probe as probe
+    from acco_ds.memory import estimate_memory
+    tmp = tempfile.mkdtemp(prefix="acco_memlocal_")
+    world, dtype, rows = 4, "fp32", []
+    stock = probe.launch("stock", dtype, args.steps, "", args.port, tmp, world=world)
+    n = stock[0]["n_params"]
+    for i, (mode, k) in enumerate((("diloco", 1), ("diloco", 2), ("co2", 2))):
+        res = probe.launch(f"{mode}:{k}", dtype, args.steps, "", args.port + 1 + i, tmp, world=world)
+        est = estimate_memory(params=n, gpus=world, dtype=dtype, mode=mode, replica_group_size=k, verbose=False)
+        extra = [(a["phases"]["end"]["peak"] - s["phases"]["end"]["peak"]) / 2**20 for a, s in zip(res, stock)]
+        rows.append({"mode": mode, "k": k, "measured_extra_mb": extra, "estimated_extra_mb": est["extra_bytes"] / 2**20,
+                     "peak_mb": [a["phases"]["end"]["peak"] / 2**20 for a in res]})
+    print(f"\nModel-states workload, {n / 1e6:.2f}M parameters, fp32, {world} ranks (gloo, DS_ACCELERATOR=cpu), "
+          f"{args.steps} inner steps, sync_every 2; torch {torch.__version__}, {os.cpu_count()} cores")
+    print("| mode | k (replica group) | R | stock peak RSS per rank (MB) | peak RSS per rank (MB) | "
+          "measured − stock, worst rank (MB) | acco-ds memory estimate − stock (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['k']} | {world // r['k']} | "
+              f"{' / '.join(f'{s['phases']['end']['peak'] / 2**20:.0f}' for s in stock)} | "
+              f"{' / '.join(f'{v:.0f}' for v in r['peak_mb'])} | {max(r['measured_extra_mb']):+.0f} | "
+              f"{r['estimated_extra_mb']:+.0f} |")
+    cmd = f"python benchmarks/memory.py --workload states --local --steps {args.steps}"
+    print(f"command: {cmd}")
+    out = Path(args.out).with_name("memory_local_sgd.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__}, open(out, "w"), indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n_layer", type=int, default=8)
     p.add_argument("--n_embd", type=int, default=448)
     p.add_argument("--steps", type=int, default=None, help="default 4 (memory), 150 (--convergence)")
     p.add_argument("--convergence", action="store_true")
+    p.add_argument("--local", action="store_true", help="with --workload states: diloco/co2 on 4 ranks, k = 1 and 2")
     p.add_argument("--workload", default="gpt", choices=["gpt", "states"],
                    help="gpt: examples/train_gpt.py (activation-heavy); states: few large layers (model states)")
     p.add_argument("--port", type=int, default=29631)
@@ -171,7 +206,7 @@ def main():
     args.steps = args.steps or 4
     if args.workload == "states":
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        return states_workload(args)
+        return local_sgd_workload(args) if args.local else states_workload(args)
     import torch
 
     from acco_ds.memory import acco_buffer_bytes, padded_numel

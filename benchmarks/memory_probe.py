@@ -216,8 +216,11 @@ def config(dtype, acco, gas=2, micro=2):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    if acco:
+    if acco is True:
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed", "kernels": "auto"}
+    elif acco:  # a mode name of the local-SGD family with its replica group size: "diloco:2"
+        mode, k = acco.split(":")
+        cfg["acco"] = {"enabled": True, "mode": mode, "local_sgd": {"sync_every": 2, "replica_group_size": int(k)}}
     return cfg
 
 
@@ -248,8 +251,8 @@ def worker(args):
         model = model.to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     mark("model built", detail=False)
-    cfg = config(args.dtype, args.mode == "acco")
-    init = acco_ds.initialize if args.mode == "acco" else deepspeed.initialize
+    cfg = config(args.dtype, True if args.mode == "acco" else (args.mode if args.mode != "stock" else None))
+    init = deepspeed.initialize if args.mode == "stock" else acco_ds.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg)
     mark("after initialize", engine)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
@@ -306,7 +309,7 @@ def launch(mode, dtype, steps, fix, port, tmp, extra_env=None, world=2):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="acco", choices=["acco", "stock"])
+    p.add_argument("--mode", default="acco", help='acco, stock, or a local-SGD mode and k: "diloco:2"')
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--fix", default="", help=f"comma-separated prototype fixes: {', '.join(FIXES)}")

@@ -14,13 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from acco_ds.config import ACCOConfig, ACCOEmulationConfig, parse_acco_config, check_deepspeed_config
+from acco_ds.config import ACCOConfig, ACCOEmulationConfig, LocalSGDConfig, check_deepspeed_config, parse_acco_config
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
 
 KNOWN = set(ACCOConfig.model_fields)
 KNOWN_EMULATION = set(ACCOEmulationConfig.model_fields)
+KNOWN_LOCAL = set(LocalSGDConfig.model_fields)
 # Misspellings, and names that are special to pydantic or DeepSpeedConfigModel.__init__(strict=...).
 TRICKY_KEYS = ["enabld", "Enabled", "mode ", "modes", "accumulate", "kernel", "timeout", "max_micro_batches",
                "emulations", "strict", "self", "model_config", "model_fields", "__class__", "data", "replace_method",
@@ -36,9 +37,12 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=6)
 emulation_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_EMULATION) + ["slow_factr", "delay", "auto"]),
                                    values, max_size=4)
+local_sgd_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_LOCAL) + ["sync_evry", "auto"]),
+                                   st.one_of(st.integers(-2, 40), st.floats(-1, 3), values), max_size=4)
 acco_values = {
     "enabled": st.one_of(st.booleans(), values),
-    "mode": st.one_of(st.sampled_from(["acco", "dpu", "sync"]), values),
+    "mode": st.one_of(st.sampled_from(["acco", "dpu", "sync", "diloco", "co2"]), values),
+    "local_sgd": st.one_of(st.none(), local_sgd_blocks, values),
     "accumulation": st.one_of(st.sampled_from(["fixed", "adaptive"]), values),
     "max_micro_batches_per_round": st.one_of(st.none(), st.integers(-3, 40), values),
     "kernels": st.one_of(st.sampled_from(["auto", "torch", "native"]), values),
@@ -65,9 +69,11 @@ def named(message: str, path: str) -> bool:
 def check_parse(block):
     """parse_acco_config on one block: the config, or None after checking its ValueError."""
     unknown = [f"acco.{k}" for k in block if k not in KNOWN]
-    emulation = block.get("emulation")
+    emulation, local = block.get("emulation"), block.get("local_sgd")
     if isinstance(emulation, dict):
         unknown += [f"acco.emulation.{k}" for k in emulation if k not in KNOWN_EMULATION]
+    if isinstance(local, dict):
+        unknown += [f"acco.local_sgd.{k}" for k in local if k not in KNOWN_LOCAL]
     try:
         cfg = parse_acco_config({"acco": block})
     except ValueError as err:
@@ -76,13 +82,21 @@ def check_parse(block):
             assert named(message, path), (path, message)
         if not unknown:  # a bad value: the message names one of the block's keys
             paths = [f"acco.{k}" for k in block] + [f"acco.emulation.{k}" for k in (
-                emulation if isinstance(emulation, dict) else {})]
+                emulation if isinstance(emulation, dict) else {})] + [f"acco.local_sgd.{k}" for k in (
+                    local if isinstance(local, dict) else {})]
             assert any(named(message, p) for p in paths), message
         return None
     assert not unknown, f"unknown keys accepted: {unknown}"
     # What was accepted is a usable config.
     assert isinstance(cfg.enabled, bool)
-    assert cfg.mode in ("acco", "dpu", "sync") and cfg.accumulation in ("fixed", "adaptive")
+    assert cfg.mode in ("acco", "dpu", "sync", "diloco", "co2") and cfg.accumulation in ("fixed", "adaptive")
+    assert cfg.local_sgd is None or cfg.local, "a local_sgd block was accepted in a round mode"
+    if cfg.local:
+        assert all(block.get(k, "auto") == "auto" for k in ("accumulation", "max_micro_batches_per_round"))
+        outer = cfg.outer
+        assert outer["outer_lr"] > 0 and 0 <= outer["outer_momentum"] < 1 and outer["staleness_penalty"] > 0
+        assert cfg.mode == "co2" or (cfg.local_sgd is None or (cfg.local_sgd.staleness_penalty is None
+                                                               and cfg.local_sgd.outer_momentum_clip is None))
     assert cfg.kernels in ("auto", "torch", "native")
     assert not (cfg.mode == "sync" and cfg.accumulation == "adaptive")
     assert cfg.max_micro_batches_per_round is None or (isinstance(cfg.max_micro_batches_per_round, int)

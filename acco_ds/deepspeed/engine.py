@@ -33,6 +33,7 @@ workers contribute different counts.
 import contextlib
 
 import deepspeed.runtime.engine as ds_engine
+import torch
 import torch.distributed as tdist
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -78,14 +79,7 @@ class ACCOEngine(DeepSpeedEngine):
         # The module's state_dict() (save_pretrained, Accelerate's get_state_dict) sees committed weights.
         self.module.register_state_dict_pre_hook(lambda *_: self._acco_show_committed())
         self.module.register_state_dict_post_hook(lambda *_: opt.view.restore(all_levels=False))
-        extra = opt.buffer_bytes()["total"]
-        _say(f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
-             f"micro-batches/round={opt.schedule.min_micro}"
-             f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
-             f"world_size={opt.world_size} model={dtype_name(opt.dtype)} "
-             f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
-             f"kernels={opt.kernels.name} update={opt.update.name} "
-             f"extra buffers={extra / 2**20:.1f} MiB/rank")
+        _say(_banner(acco, opt))
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
@@ -174,7 +168,7 @@ class ACCOEngine(DeepSpeedEngine):
         exact). Returns the most micro-batches any rank holds in its round.
         """
         opt = self.optimizer
-        index, micro = opt.peers_state()
+        index, micro = _peers_state(opt)
         if index > opt.schedule.index:  # at most one round behind: jobs pair ranks round by round
             self._acco_end_round()
         return micro
@@ -200,20 +194,7 @@ class ACCOEngine(DeepSpeedEngine):
         self.global_samples += result.global_micro * self.optimizer.replicas * self.train_micro_batch_size_per_gpu()
         if self.optimizer.local_sgd is not None:
             self.optimizer.local_sgd.after_inner_step()
-        if self.steps_per_print() and self.global_steps % self.steps_per_print() == 0:
-            self._report_progress(self.global_steps)
-            s = self.optimizer.round_stats()
-            hidden = s["hidden_comm_fraction"]
-            _say(f"ACCO step={self.global_steps}: rounds={s['rounds']} "
-                 f"micro-batches/round={s['mean_micro_per_round']:.2f} "
-                 f"compute={s['compute_s']:.2f}s comm={s['comm_s']:.2f}s waited={s['wait_s']:.2f}s "
-                 f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
-        if self.monitor.enabled and self.global_rank == 0:
-            s = self.optimizer.round_stats()
-            events = [("Train/Samples/acco_global_micro_batches", result.global_micro, self.global_samples),
-                      ("Train/Samples/acco_comm_s", result.comm_s, self.global_samples),
-                      ("Train/Samples/acco_wait_s_total", s["wait_s"], self.global_samples)]
-            self.monitor.write_events(events)
+        _report_commit(self, result)
 
     def set_train_batch_size(self, train_batch_size):
         micro_dp = self.train_micro_batch_size_per_gpu() * self.dp_world_size
@@ -312,6 +293,49 @@ class ACCOEngine(DeepSpeedEngine):
                 logger.warning(f"ACCO: could not commit the last step while destroying the engine: {err}")
             opt.comm.close()
         super().destroy()
+
+
+def _peers_state(opt):
+    """Collective over the data-parallel group: the highest round index of any rank, and the most
+    micro-batches held by a rank in that round (one all-reduce of index * 2^32 + micro-batches)."""
+    key = torch.tensor([(opt.schedule.index << 32) + opt.local_micro], dtype=torch.int64, device=opt.device)
+    tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=opt.dp_process_group)
+    value = int(key.item())
+    return value >> 32, value & 0xFFFFFFFF
+
+
+def _banner(acco, opt) -> str:
+    """The one start-up line rank 0 prints."""
+    extra = opt.buffer_bytes()["total"]
+    line = (f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
+            f"micro-batches/round={opt.schedule.min_micro}"
+            f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
+            f"world_size={opt.world_size} model={dtype_name(opt.dtype)} "
+            f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
+            f"kernels={opt.kernels.name} update={opt.update.name} "
+            f"extra buffers={extra / 2**20:.1f} MiB/rank")
+    if opt.local_sgd is not None:
+        g = opt.local_sgd.groups
+        line += f" replicas={g.replicas}x{g.k} sync_every={opt.local_sgd.schedule.sync_every}"
+    return line
+
+
+def _report_commit(engine, result: CommResult) -> None:
+    """DeepSpeed's progress line and monitor events, with ACCO's round figures."""
+    if engine.steps_per_print() and engine.global_steps % engine.steps_per_print() == 0:
+        engine._report_progress(engine.global_steps)
+        s = engine.optimizer.round_stats()
+        hidden = s["hidden_comm_fraction"]
+        _say(f"ACCO step={engine.global_steps}: rounds={s['rounds']} "
+             f"micro-batches/round={s['mean_micro_per_round']:.2f} "
+             f"compute={s['compute_s']:.2f}s comm={s['comm_s']:.2f}s waited={s['wait_s']:.2f}s "
+             f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
+    if engine.monitor.enabled and engine.global_rank == 0:
+        s = engine.optimizer.round_stats()
+        events = [("Train/Samples/acco_global_micro_batches", result.global_micro, engine.global_samples),
+                  ("Train/Samples/acco_comm_s", result.comm_s, engine.global_samples),
+                  ("Train/Samples/acco_wait_s_total", s["wait_s"], engine.global_samples)]
+        engine.monitor.write_events(events)
 
 
 def _say(msg: str) -> None:

@@ -139,14 +139,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             self._commits.append(result)
         return result
 
-    def peers_state(self):
-        """Collective over the data-parallel group: the highest round index of
-        any rank, and the most micro-batches held by a rank in that round."""
-        key = torch.tensor([(self.schedule.index << 32) + self.local_micro], dtype=torch.int64, device=self.device)
-        tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=self.dp_process_group)
-        value = int(key.item())
-        return value >> 32, value & 0xFFFFFFFF
-
     def take_commits(self) -> List[CommResult]:
         """Commits finished since the last call, oldest first (each returned once)."""
         out, self._commits = self._commits, []
@@ -199,26 +191,10 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         """Main-thread bookkeeping of a finished job: ZeRO's lazy state link, and the loss scaler once
         per committed step, as stock ZeRO-1 updates it once per step."""
         self.overflow = not result.finite
-        if not result.commits:
-            return  # a Peek's overflow is part of the step its commit reports
-        if result.finite:
+        if result.commits and result.finite:
             self._lazy_init_hp_params_optimizer_state()
-            if self.dynamic_loss_scale:
-                self.loss_scaler.update_scale(False)
-            return
-        why = "check the learning rate, data and gradient_clipping"
-        if self.dynamic_loss_scale:
-            before = self.loss_scale
-            if result.overflow_scale > before:
-                # Computed at a scale the scaler has lowered since (the pipeline runs one round ahead):
-                # lowering it again would count one overflow twice.
-                why = f"part of it was computed at loss scale {result.overflow_scale:g}, since lowered to {before:g}"
-            else:
-                self.loss_scaler.update_scale(True)
-                why = (f"loss scale lowered from {before:g} to {self.loss_scale:g}" if self.loss_scale < before else
-                       f"loss scale kept at {before:g} (fp16.hysteresis: lowered after more overflows)")
-        logger.warning(f"ACCO: non-finite gradients in the step committed by round {rnd.index} (rank {self.rank}); "
-                       f"the update is skipped on every rank: {why}")
+        if result.commits:
+            _account_loss_scale(self, rnd, result)
 
     # ------------------------------------------------- what users read
     def drain(self) -> None:
@@ -319,6 +295,27 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""
         return allocated_bytes(self.buffers)
+
+
+def _account_loss_scale(opt, rnd, result: CommResult) -> None:
+    """Update the loss scaler for one committed step (and say why a step was skipped)."""
+    if result.finite:
+        if opt.dynamic_loss_scale:
+            opt.loss_scaler.update_scale(False)
+        return
+    why = "check the learning rate, data and gradient_clipping"
+    if opt.dynamic_loss_scale:
+        before = opt.loss_scale
+        if result.overflow_scale > before:
+            # Computed at a scale the scaler has lowered since (the pipeline runs one round ahead):
+            # lowering it again would count one overflow twice.
+            why = f"part of it was computed at loss scale {result.overflow_scale:g}, since lowered to {before:g}"
+        else:
+            opt.loss_scaler.update_scale(True)
+            why = (f"loss scale lowered from {before:g} to {opt.loss_scale:g}" if opt.loss_scale < before else
+                   f"loss scale kept at {before:g} (fp16.hysteresis: lowered after more overflows)")
+    logger.warning(f"ACCO: non-finite gradients in the step committed by round {rnd.index} (rank {opt.rank}); "
+                   f"the update is skipped on every rank: {why}")
 
 
 __all__ = ["ACCOZeroOptimizer"]
