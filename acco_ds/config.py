@@ -242,7 +242,7 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
 
 
-def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None) -> None:
+def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, acco=None) -> None:
     """Reject what ACCO cannot train before ``deepspeed.initialize`` builds
     anything: engines other than ``DeepSpeedEngine`` (pipeline, hybrid),
     MoE, model parallelism."""
@@ -259,10 +259,10 @@ def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None) -
     if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
         problems.append('ACCO does not support MoE layers (expert parallel groups): train without MoE or set '
                         '"acco": {"enabled": false}')
-    if mpu is not None and mpu.get_model_parallel_world_size() > 1:
-        problems.append(f"ACCO does not support tensor/model parallelism yet (model parallel size "
-                        f"{mpu.get_model_parallel_world_size()}): use a model parallel size of 1 (Megatron-DeepSpeed: "
-                        f'--tensor-model-parallel-size 1), or set "acco": {{"enabled": false}}')
+    if mpu is not None and mpu.get_model_parallel_world_size() > 1 and acco is not None and acco.local:
+        problems.append(f'the local-SGD modes do not support tensor/model parallelism yet (model parallel size '
+                        f'{mpu.get_model_parallel_world_size()}): use acco.mode "acco", "dpu" or "sync" with it, or '
+                        f'a model parallel size of 1 (Megatron-DeepSpeed: --tensor-model-parallel-size 1)')
     _raise(problems)
 
 

@@ -64,7 +64,13 @@ def run(spec, rank, world):
     import deepspeed
 
     import acco_ds
-    model = common.make_model(spec.get("seed", 0))
+    data_rank = rank
+    if spec.get("tp"):  # tensor parallelism with a Megatron-style mpu: data comes by data-parallel rank
+        import tp
+        mpu = tp.FakeMPU(spec["tp"])
+        model, data_rank = tp.TPNet(mpu, spec.get("seed", 0)), mpu.get_data_parallel_rank()
+    else:
+        model = common.make_model(spec.get("seed", 0))
     if spec.get("dtype") == "bf16":
         model = model.to(torch.bfloat16)
     if spec.get("dtype") == "fp16":
@@ -74,7 +80,7 @@ def run(spec, rank, world):
         get_accelerator().is_fp16_supported = lambda: True
         model = model.to(torch.float16)
     params = common.param_groups(model) if spec.get("groups") else model.parameters()
-    kwargs = {}
+    kwargs = {"mpu": mpu} if spec.get("tp") else {}
     if spec.get("client_optimizer"):
         kwargs["optimizer"] = common.reference_optimizer(spec["client_optimizer"], spec.get("groups"))(model)
     drive = spec.get("drive", "a")
@@ -114,7 +120,7 @@ def run(spec, rank, world):
 
     def one_micro_batch():
         nonlocal micro
-        loss = common.loss_fn(engine, common.micro_batch(rank, micro))
+        loss = common.loss_fn(engine, common.micro_batch(data_rank, micro))
         if spec.get("raise_at_micro") == micro and spec.get("raise_rank") == rank:
             raise RuntimeError("deliberate failure on this rank")
         if spec.get("nan_at_micro") == micro and rank == 0:

@@ -50,13 +50,14 @@ def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
     ACCO engine when the config enables it."""
     from ..config import check_before_initialize, parse_acco_config  # lazy: the autopatch runs inside `import deepspeed`
     config = resolve_config(args, kwargs.get("config"), kwargs.get("config_params"))
-    if not parse_acco_config(config).enabled:
+    acco = parse_acco_config(config)
+    if not acco.enabled:
         return ds_initialize(args, model, *rest, **kwargs)
     try:
         mpu = inspect.signature(ds_initialize).bind_partial(args, model, *rest, **kwargs).arguments.get("mpu")
     except TypeError:
         mpu = kwargs.get("mpu")
-    check_before_initialize(model, mpu, config)
+    check_before_initialize(model, mpu, config, acco)
     with _acco_engine_class():
         return ds_initialize(args, model, *rest, **kwargs)
 

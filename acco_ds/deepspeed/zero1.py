@@ -45,6 +45,7 @@ from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
 from . import checkpoint
 from .local_sgd import LocalSGD
+from .parallel import norm_segments, side_group
 from .views import ParamView
 
 
@@ -66,8 +67,13 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)
+        side = local_groups.replica_side if local_groups is not None else side_group(group, acco_config.timeout_s)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
-                               group=local_groups.replica_side if local_groups is not None else None)
+                               group=side)
+        # Tensor parallelism: the norm counts each parameter once and is summed over the model-parallel group.
+        tp = self.model_parallel_world_size > 1
+        self.mp_side = side_group(self.model_parallel_group, acco_config.timeout_s) if tp else None
+        self.norm_segments = norm_segments(self) if tp else None
 
         if torch.device(self.device).type == "cpu":
             pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.host_memory)
@@ -184,7 +190,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         local_micro, loss_scale = handed
         self.comm.submit(RoundJob(rnd, self.buffers, self.single_partition_of_fp32_groups, self.update, self.kept,
                                   self.comm.group, self.rank, self.world_size, local_micro, loss_scale,
-                                  loss_divisor=self.gradient_accumulation_steps,
+                                  loss_divisor=self.gradient_accumulation_steps, norm_segments=self.norm_segments,
+                                  mp_group=self.mp_side,
                                   clip=self.clip_grad, delay_s=self.acco.emulation.comm_delay_s))
 
     def _after_result(self, rnd, result: CommResult) -> None:

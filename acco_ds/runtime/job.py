@@ -98,6 +98,11 @@ class RoundJob:
     loss_divisor: float = 1.0
     clip: float = 0.0
     delay_s: float = 0.0  # benchmark emulation of a slow network
+    # Tensor parallelism: per buffer, the (start, length) ranges of the shard that count in the global
+    # norm (parameters split across model-parallel ranks everywhere, replicated ones on one rank only),
+    # and the communication thread's copy of the model-parallel group the norms are summed over.
+    norm_segments: Optional[list] = None
+    mp_group: object = None
 
     def __call__(self) -> CommResult:
         phases = Phases()
@@ -149,6 +154,10 @@ class RoundJob:
         stats[self.rank] = self.local_micro
         stats[self.world_size], stats[self.world_size + 1] = new_sq, total_sq
         tdist.all_reduce(stats, group=self.group)
+        if self.mp_group is not None:  # the norms cover the whole model: sum them over the model-parallel ranks
+            norms = stats[self.world_size:].clone()
+            tdist.all_reduce(norms, group=self.mp_group)
+            stats[self.world_size:] = norms
         values = stats.tolist()
         return [int(c) for c in values[:self.world_size]], values[-2], values[-1]
 
@@ -184,9 +193,12 @@ class RoundJob:
         """Sum of squares of the fp32 shards, accumulated in float64 chunk by chunk: a float64 copy of a
         whole shard would add 8N/W bytes to the peak."""
         total = 0.0
-        for buf in self.buffers:
-            for start in range(0, buf.shard.numel(), NORM_CHUNK):
-                total += float(torch.linalg.vector_norm(buf.shard[start:start + NORM_CHUNK], dtype=torch.float64)**2)
+        for i, buf in enumerate(self.buffers):
+            segments = [(0, buf.shard.numel())] if self.norm_segments is None else self.norm_segments[i]
+            for begin, length in segments:
+                for start in range(begin, begin + length, NORM_CHUNK):
+                    part = buf.shard[start:min(start + NORM_CHUNK, begin + length)]
+                    total += float(torch.linalg.vector_norm(part, dtype=torch.float64)**2)
         return total
 
 

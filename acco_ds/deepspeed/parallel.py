@@ -1,0 +1,52 @@
+"""Process groups and norm masks for layouts with tensor (model) parallelism.
+
+With an ``mpu`` (Megatron-DeepSpeed), the data-parallel ranks of each
+model-parallel position form their own group: with TP = 2 on 4 ranks the
+data-parallel groups are {0, 2} and {1, 3}, the model-parallel ones {0, 1}
+and {2, 3}. A process group must be created by every rank, for every group,
+in the same order, so the communication thread's copies are made by
+enumerating all of them (``side_group``).
+
+ZeRO-1 counts each parameter once in the global gradient norm: a parameter
+split across model-parallel ranks on every rank, a replicated one only on
+model-parallel rank 0 (``stage_1_and_2.py``); the squares are summed over the
+data-parallel group and then over the model-parallel group. ``norm_segments``
+gives the ranges of this rank's flat shard that count, for the job's norm.
+"""
+
+from datetime import timedelta
+from typing import List, Tuple
+
+import torch.distributed as tdist
+from deepspeed.runtime.utils import is_model_parallel_parameter
+
+
+def side_group(group, timeout_s: float):
+    """A new group with the same ranks as ``group`` (collective: every rank of the job calls it)."""
+    mine = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
+    everyone = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, sorted(mine))
+    lists = sorted({tuple(ranks) for ranks in everyone})
+    own, _ = tdist.new_subgroups_by_enumeration([list(ranks) for ranks in lists], timeout=timedelta(seconds=timeout_s))
+    return own
+
+
+def norm_segments(opt) -> List[List[Tuple[int, int]]]:
+    """Per ZeRO-1 group, the (start, length) ranges of this rank's partition that count in the norm."""
+    out = []
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        part = int(opt.partition_size[i])
+        lo, hi = opt.rank * part, (opt.rank + 1) * part
+        if opt.model_parallel_rank == 0:
+            out.append([(0, part)])  # everything counts (padding is zero)
+            continue
+        ranges = []
+        for p, offset in zip(params, opt.round_robin_bit16_offsets[i]):
+            start, end = max(offset, lo), min(offset + p.numel(), hi)
+            if start < end and is_model_parallel_parameter(p):
+                ranges.append((start - lo, end - start))
+        out.append(ranges)
+    return out
+
+
+__all__ = ["side_group", "norm_segments"]
