@@ -95,11 +95,18 @@ def test_initialize_rejects_before_building_anything():
                            config=common.ds_config(acco={"mode": "acco"}, optimizer=None))
 
 
-def test_pipeline_models_are_rejected_with_the_megatron_flag():
+def test_pipelines_of_more_than_one_stage_are_rejected_with_the_megatron_flag():
+    """Refused before DeepSpeed builds anything (a real 2-stage module needs 2 ranks: its stage count is set)."""
     from deepspeed.pipe import PipelineModule
-    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
-    with pytest.raises(ValueError, match="--no-pipeline-parallel"):
-        acco_ds.initialize(model=pipe, model_parameters=pipe.parameters(), config=common.ds_config(acco={}))
+
+    from acco_ds.config import check_before_initialize
+    pipe = PipelineModule.__new__(PipelineModule)
+    torch.nn.Module.__init__(pipe)
+    pipe.num_stages = 2
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
+        check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True}}))
+    pipe.num_stages = 1
+    check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True}}))
 
 
 def test_config_from_args_deepspeed_config(tmp_path):

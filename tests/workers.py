@@ -71,6 +71,10 @@ def run(spec, rank, world):
         model, data_rank = tp.TPNet(mpu, spec.get("seed", 0)), mpu.get_data_parallel_rank()
     else:
         model = common.make_model(spec.get("seed", 0))
+    if spec.get("pipe"):  # DeepSpeed's pipeline engine at pipeline size 1 (Megatron-DeepSpeed's default)
+        from deepspeed.pipe import PipelineModule
+        model = PipelineModule(layers=[model.fc1, torch.nn.Tanh(), model.fc2], num_stages=1,
+                               loss_fn=lambda out, y: ((out.float() - y)**2).mean())
     if spec.get("dtype") == "bf16":
         model = model.to(torch.bfloat16)
     if spec.get("dtype") == "fp16":
@@ -110,8 +114,12 @@ def run(spec, rank, world):
 
     def record():
         nonlocal last
+        # Pipeline: read the committed weights at every batch end (ACCO's compute weights may be an
+        # estimate there); the read commits a finished step at once, so read before comparing steps.
+        seen = torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()]) \
+            if spec.get("pipe") else None
         if engine.global_steps != last and len(out["params"]) < target - spec.get("start_step", 0):
-            out["params"].append(flat(engine.module))
+            out["params"].append(seen if seen is not None else flat(engine.module))
             out["norms"].append(engine.get_global_grad_norm())
             if spec.get("record_committed"):  # what users read: the anchor in local-SGD modes
                 out.setdefault("committed", []).append(
@@ -140,8 +148,21 @@ def run(spec, rank, world):
         record()
 
     limit = spec.get("max_micro", 10_000)
+
+    def pipe_batches():  # train_batch() pulls gradient_accumulation_steps micro-batches from this iterator
+        nonlocal micro
+        while True:
+            item = common.micro_batch(data_rank, micro)
+            micro += 1  # before the yield: the count is what was consumed (saved in checkpoints)
+            yield item
+
+    batches = pipe_batches() if spec.get("pipe") else None
     while engine.global_steps < target and micro < limit:
-        if drive in ("a", "torch"):
+        if spec.get("pipe"):
+            out["losses"].append(float(engine.train_batch(data_iter=batches)))
+            record()
+            out["applied"].append(engine.was_step_applied())
+        elif drive in ("a", "torch"):
             one_micro_batch()
             engine.step()
             record()  # stock DeepSpeed updates in step(), ACCO when a round ends in backward

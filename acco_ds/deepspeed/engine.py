@@ -37,6 +37,7 @@ import torch
 import torch.distributed as tdist
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import log_dist, logger
 
 from ..algorithms.rounds import COMMIT
@@ -295,6 +296,14 @@ class ACCOEngine(DeepSpeedEngine):
         super().destroy()
 
 
+class ACCOPipelineEngine(ACCOEngine, PipelineEngine):
+    """ACCO on DeepSpeed's ``PipelineEngine`` at pipeline size 1: Megatron-DeepSpeed's default engine
+    (``GPTModelPipe``) without ``--no-pipeline-parallel``. ``train_batch()`` runs the micro-batches; each
+    backward goes through DeepSpeed's ``backward`` and so ends ACCO's rounds, and the step at the end of
+    the batch settles ``was_step_applied()`` as on the plain engine. Pipeline sizes above 1 are refused
+    before anything is built (``config.check_before_initialize``)."""
+
+
 def _peers_state(opt):
     """Collective over the data-parallel group: the highest round index of any rank, and the most
     micro-batches held by a rank in that round (one all-reduce of index * 2^32 + micro-batches)."""
@@ -344,4 +353,4 @@ def _say(msg: str) -> None:
         print(f"[acco_ds] {msg}", flush=True)
 
 
-__all__ = ["ACCOEngine"]
+__all__ = ["ACCOEngine", "ACCOPipelineEngine"]

@@ -1,8 +1,9 @@
 """``deepspeed.initialize`` with ACCO: the engine swap and the patch.
 
 ``deepspeed.initialize`` has no engine registry: it instantiates the
-module-level name ``DeepSpeedEngine``. Swapping that name for ``ACCOEngine``
-during the call reuses all of initialize's logic for every caller (plain
+module-level name ``DeepSpeedEngine`` (``PipelineEngine`` for a
+``PipelineModule``). Swapping those names for ``ACCOEngine`` and
+``ACCOPipelineEngine`` during the call reuses all of initialize's logic for every caller (plain
 scripts, Hugging Face Trainer/Accelerate, Megatron-DeepSpeed).
 """
 
@@ -35,14 +36,14 @@ def resolve_config(args, config, config_params) -> dict:
 def _acco_engine_class():
     import deepspeed
 
-    from .engine import ACCOEngine
+    from .engine import ACCOEngine, ACCOPipelineEngine
     with _lock:
-        saved = deepspeed.DeepSpeedEngine
-        deepspeed.DeepSpeedEngine = ACCOEngine
+        saved = deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine
+        deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine = ACCOEngine, ACCOPipelineEngine
         try:
             yield
         finally:
-            deepspeed.DeepSpeedEngine = saved
+            deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine = saved
 
 
 def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
