@@ -12,6 +12,7 @@ of a run that was killed with SIGKILL).
     python benchmarks/cluster.py throughput   # bandwidth x mode table
     python benchmarks/cluster.py hetero       # one rank slowed x1.5 and x2
     python benchmarks/cluster.py convergence  # validation loss vs tokens / wall-clock at 200 Mbit
+    python benchmarks/cluster.py twonode      # 4 ranks as 2 nodes of 2: ZeRO-1, ACCO, DiLoCo, CO2
     python benchmarks/cluster.py one --bandwidth 200mbit --mode dpu   # one row again
     python benchmarks/cluster.py smoke        # a few steps on loopback (tests/test_cluster_smoke.py)
     python benchmarks/cluster.py --cleanup    # remove namespaces left by a killed run
@@ -23,11 +24,21 @@ exclusion, slowed rank, JSON results). Namespaces, ports and rank processes come
 from benchmarks/harness.py. Results: benchmarks/results/
 cluster_<command>.{md,json,csv}, one record per run (with the exact rank
 command lines) in cluster_runs_<command>.jsonl, plots cluster_convergence*.png.
+
+``twonode`` (``--layout twonode``): 4 ranks as 2 "nodes" of 2. Ranks 0, 1 share
+node A's namespace, ranks 2, 3 node B's; gloo binds every rank to its
+namespace's veth address, so traffic between the two ranks of a node goes over
+that namespace's loopback (unshaped, counted apart) and only traffic between
+nodes crosses the tbf-limited veth pair. Each node is pinned to one core (its 2
+ranks share it: 4 single-threaded ranks on 2 cores). "unlimited" there is the
+same veth pair with no qdisc. diloco/co2 use replica_group_size 2 (= ranks per
+node): ZeRO-1 inside a node, the outer all-reduce between nodes.
 """
 
 import argparse
 import csv
 import json
+import math
 import os
 import shlex
 import shutil
@@ -53,6 +64,16 @@ MODES = {  # label -> train_worker.py flags
     "acco fixed": ["--mode", "acco", "--accumulation", "fixed"],
     "acco adaptive": ["--mode", "acco", "--accumulation", "adaptive"],
 }
+PAIR_MODES = list(MODES)  # the 2-rank tables
+# The local-SGD family: replica groups of the ranks of one node (added by rank_commands: 1 in the 2-rank
+# layout, 2 in twonode), sync every H inner steps.
+for _m in ("diloco", "co2"):
+    for _h in (8, 32):
+        MODES[f"{_m} H={_h}"] = ["--mode", _m, "--sync_every", str(_h)]
+TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32"]
+LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)
+# twonode: a smaller step (4 ranks share 2 cores): micro-batch 4 x 128 tokens, 2 micro-batches per rank per step.
+TWONODE_MICRO_BS, TWONODE_GAS = 4, 2
 BANDWIDTHS = ["unlimited", "1gbit", "200mbit", "50mbit"]
 GAS, MICRO_BS, BLOCK = 4, 8, 128  # configs/acco_cpu.json: 4 micro-batches of 8 x 128 tokens per rank per step
 # Duration model for the printed estimate (measured on the 2-core AMD EPYC of BENCHMARKS.md).
@@ -62,10 +83,12 @@ COMPUTE_STEP_S = 0.40  # 4 micro-batches on one core
 # ------------------------------------------------------------------------- runs
 
 
-def one_command(bandwidth, mode, steps, warmup, eval_interval, eval_batches, extra=(), tokens=0):
+def one_command(bandwidth, mode, steps, warmup, eval_interval, eval_batches, extra=(), tokens=0, layout="pair"):
     """The harness command that reruns one row (it prints the row's figures)."""
     cmd = (f"python benchmarks/cluster.py one --bandwidth {bandwidth} --mode {shlex.quote(mode)} --steps {steps} "
            f"--warmup {warmup} --eval_interval {eval_interval} --eval_batches {eval_batches}")
+    if layout != "pair":
+        cmd += f" --layout {layout}"
     if tokens:
         cmd += f" --tokens {tokens}"
     if extra:
@@ -73,15 +96,31 @@ def one_command(bandwidth, mode, steps, warmup, eval_interval, eval_batches, ext
     return cmd
 
 
-def rank_commands(net, mode_flags, spec, out_json, port):
+def rank_commands(net, mode_flags, spec, out_json, port, layout="pair"):
     """(env, argv) of each rank; ``spec`` holds steps/warmup/eval/extra."""
     config = CONFIGS["adaptive" if "adaptive" in mode_flags else "fixed"]
+    world, per_node = LAYOUTS[layout]
     base = [sys.executable, str(TRAIN), "--deepspeed_config", str(ROOT / config), "--steps", str(spec["steps"]),
             "--warmup_steps", str(spec["warmup"]), "--eval_interval", str(spec["eval_interval"]), "--eval_batches",
             str(spec["eval_batches"]), "--results", str(out_json)] + mode_flags + list(spec.get("extra", []))
+    if "--sync_every" in mode_flags:
+        base += ["--replica_group_size", str(per_node)]
+    if layout == "twonode":
+        base += ["--micro_batch", str(TWONODE_MICRO_BS), "--gas", str(TWONODE_GAS)]
     if spec.get("tokens"):
         base += ["--tokens", str(spec["tokens"])]
     cores = os.cpu_count() or 1
+    if layout == "twonode":
+        # Node n = ranks n*2, n*2+1 in namespace n, pinned to core n; gloo on that namespace's veth address
+        # (MASTER_ADDR: node A's). Two ranks of one node reach each other over the namespace's loopback.
+        out = []
+        for r in range(world):
+            node = r // per_node
+            env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": str(world),
+                   "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node), "MASTER_PORT": str(port),
+                   "PYTHONUNBUFFERED": "1", **net.rank_env(node)}
+            out.append((env, net.wrap(node, ["taskset", "-c", str(node % cores)] + base)))
+        return out
     out = []
     for r in range(2):
         # In a namespace each rank is alone on its "node" (LOCAL_RANK 0); on loopback they share one.
@@ -126,6 +165,49 @@ def summarize(result, compute_micro_s):
     return row
 
 
+def node_values(per_rank, per_node=2):
+    """One value per node from per-rank readings: the ranks of a node read the same counters."""
+    return [per_rank[i] for i in range(0, len(per_rank), per_node)] if per_rank else None
+
+
+def summarize_twonode(result, mode):
+    """Per-step figures of one twonode run. Bytes: each node's veth ``tx_bytes`` (what it sent to the other
+    node) and loopback ``tx_bytes`` (what its two ranks sent each other), over the whole training loop: the
+    first step to the end of finalize (the last synchronisation), divided by the inner steps."""
+    steps = max(result["steps"], 1)
+    acco = result.get("acco") or {}
+    m = acco.get("measured")
+    row = {"samples_per_s": result["measured_samples_per_s"], "step_time_s": result["measured_step_time_s"],
+           "steps": result["steps"], "tokens": result["tokens"], "train_time_s": result["train_time_s"],
+           "final_val_loss": result["final_val_loss"], "first_val_loss": result["first_loss"],
+           "final_val_loss_finalized": result.get("final_val_loss_finalized"), "finalize_s": result.get("finalize_s"),
+           "micro_per_step": m["micro_batches"] / max(result["measured_steps"], 1) if m else None,
+           "wait_s": m["wait_s"] / max(result["measured_steps"], 1) if m else None,
+           "hidden": (max(0.0, 1 - m["wait_s"] / m["comm_s"]) if m and m["comm_s"] > 0 else None)}
+    for key in ("syncs", "outer_comm_s", "outer_wait_s", "outer_hidden_fraction"):
+        row[key] = acco.get(key)
+    nodes = node_values(result.get("run_tx_bytes_per_rank"))
+    if nodes:
+        row["inter_node_bytes"] = nodes
+        row["inter_mb_per_step"] = max(nodes) / steps / 1e6
+        row["same_node_readings_agree"] = all(
+            abs(a - b) <= 0.01 * max(a, b, 1) for a, b in zip(result["run_tx_bytes_per_rank"][0::2],
+                                                            result["run_tx_bytes_per_rank"][1::2]))
+    lo = node_values(result.get("run_lo_tx_bytes_per_rank"))
+    if lo:
+        row["intra_node_bytes"] = lo
+        row["intra_mb_per_step"] = max(lo) / steps / 1e6
+    after = sorted(result.get("after_destroy") or [], key=lambda d: d["rank"])
+    if after:
+        row["inter_node_bytes_after_destroy"] = node_values([d["tx_bytes_after_destroy"] for d in after])
+        row["inter_mb_per_step_after_destroy"] = max(row["inter_node_bytes_after_destroy"]) / steps / 1e6
+    window = node_values(result.get("measured_tx_bytes_per_rank"))
+    if window:
+        row["inter_mb_per_step_window"] = max(window) / max(result["measured_steps"], 1) / 1e6
+    row["history"] = [(p["step"], p["tokens"], round(p["time"], 3), p["val_loss"]) for p in result["history"]]
+    return row
+
+
 def ideal_step_s(mode, compute_s, link_s):
     """What the schedule allows with a perfect overlap: ACCO and DPU hide the link time behind compute
     (max(P, 2C) for ACCO's two rounds of C each, max(P, C) for DPU), ZeRO-1 and sync add it (P + C).
@@ -163,6 +245,7 @@ class Bench:
         self.log = open(RESULTS / f"cluster_runs_{args.command}.jsonl", mode)
         self.compute_micro_s = None
         self.link = {}
+        self.layout = getattr(args, "layout", "pair")
 
     def __enter__(self):
         return self
@@ -179,18 +262,21 @@ class Bench:
             self.log.close()
 
     def network(self, bandwidth):
-        if bandwidth == "unlimited":
+        if bandwidth == "unlimited" and self.layout == "pair":
             return None
         if self.net is None:
             self.raw_network()
-        if self.net.rate != bandwidth:
+        if bandwidth == "unlimited":  # twonode: the same veth pair, no qdisc (bytes still counted)
+            if self.net.rate is not None:
+                self.net.unlimit()
+        elif self.net.rate != bandwidth:
             self.net.limit(bandwidth)
         return self.net
 
     def raw_network(self):
         """The namespaces before any tbf limit is set (for the link check)."""
         if self.net is None:
-            self.net = harness.Network("bench")
+            self.net = harness.Network("bench" if self.layout == "pair" else "twonode")
             print(f"network: namespaces {self.net.describe()}, veth pair", flush=True)
         return self.net
 
@@ -198,22 +284,26 @@ class Bench:
         """One training run on 2 ranks; returns rank 0's results JSON (plus link byte counts)."""
         net = self.network(bandwidth)
         out_dir = Path(tempfile.mkdtemp(prefix="acco_cluster_"))
-        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", harness.free_port())
+        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", harness.free_port(), self.layout)
         before = net.tx_bytes() if net else None
+        before_lo = net.lo_tx_bytes() if net else None
         t0 = time.perf_counter()
         with harness.RankSet(cmds, out_dir, f"{mode} at {bandwidth}") as ranks:
             ranks.finish(self.args.run_timeout)
         wall = time.perf_counter() - t0
         result = json.loads((out_dir / "result.json").read_text())
         if net:
+            # Whole run, from outside (start-up broadcasts and evaluations included).
             result["link_tx_bytes"] = [a - b for a, b in zip(net.tx_bytes(), before)]
+            result["lo_tx_bytes"] = [a - b for a, b in zip(net.lo_tx_bytes(), before_lo)]
+        result["after_destroy"] = [json.loads(f.read_text()) for f in sorted(out_dir.glob("result.json.rank*"))]
         shutil.rmtree(out_dir, ignore_errors=True)
         extra = list(spec.get("extra", []))
-        row = summarize(result, self.calibrate())
+        row = summarize(result, self.calibrate()) if self.layout == "pair" else summarize_twonode(result, mode)
         record = {"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": extra, "repeat": repeat,
                   "wall_s": wall, "command": one_command(bandwidth, mode, spec["steps"], spec["warmup"],
                                                          spec["eval_interval"], spec["eval_batches"], extra,
-                                                         spec.get("tokens", 0)),
+                                                         spec.get("tokens", 0), self.layout),
                   "rank_commands": [harness.shell_line(env, argv) for env, argv in cmds], "row": row,
                   "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"]}
         self.log.write(json.dumps(record) + "\n")
@@ -264,6 +354,154 @@ def optimal_bytes_per_step(n, mode):
     all-gathers the parameters (2N); each ACCO round reduce-scatters (2N) and all-gathers (2N), two rounds per
     step; DPU and sync one round. (The small all-reduce of counts and norms is not counted.)"""
     return {STOCK: 6 * n, "acco_ds sync": 4 * n, "dpu": 4 * n}.get(mode, 8 * n)
+
+
+def ideal_internode_bytes_per_step(n, mode):
+    """The fewest bytes one node must send to the other per inner step, fp32 (4 bytes a parameter), 2 nodes,
+    whatever the ranks per node (node-aware collectives: only node sums cross). An all-reduce of the gradients
+    between 2 nodes: each sends half of its node's sum (2N) and gets the reduced half back (2N), 4N; an
+    all-gather of the parameters: the other node's half, 2N. Stock ZeRO-1: 4N + 2N = 6N; ACCO: 2 rounds of
+    (reduce-scatter 2N + all-gather 2N) = 8N; sync and DPU 4N; diloco and co2: one all-reduce of the model
+    (4N) per sync, every H inner steps: 4N / H."""
+    if "H=" in mode:
+        return 4 * n / int(mode.split("H=")[1])
+    return optimal_bytes_per_step(n, mode)
+
+
+def first_reach(history, target):
+    """(training time, tokens) of the first validation at or below ``target`` (no interpolation: the
+    local-SGD modes' committed model only moves at a sync), or None."""
+    for p in history:
+        if p["val_loss"] <= target:
+            return p["time"], p["tokens"]
+    return None
+
+
+def cmd_twonode(h):
+    a = h.args
+    spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
+            "tokens": a.tokens}
+    runs, failed = {}, {}
+    for bw in a.bandwidths:
+        for mode in a.modes:
+            try:
+                runs[(bw, mode)] = h.run(bw, mode, spec, tag="twonode")
+            except RuntimeError as err:  # one failed row must not lose the others: reported below the table
+                failed[(bw, mode)] = str(err)[-3000:]
+                print(f"  twonode {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
+    a.modes = [m for m in a.modes if any((bw, m) in runs for bw in a.bandwidths)]
+    n = param_count()
+    finals = [r["final_val_loss"] for r in runs.values()]
+    target_a = a.target if a.target else math.ceil(max(finals) * 100) / 100
+    lines = [twonode_text(n, a, target_a), "",
+             "| bandwidth | mode | samples/s | speedup vs ZeRO-1 | s/step | inter-node MB/step measured | ideal | "
+             "measured / ideal | intra-node (lo) MB/step | val loss at equal tokens (committed) | after finalize | "
+             f"time to {target_a:.2f} (s) | time to 1.02× ZeRO-1's final (s) | outer comm s / waited s (waited %) | "
+             "syncs |", "|---" * 15 + "|"]
+    table = []
+    for bw in a.bandwidths:
+        stock = runs.get((bw, STOCK))
+        target_b = 1.02 * stock["final_val_loss"] if stock else None
+        for mode in a.modes:
+            r = runs.get((bw, mode))
+            if r is None:
+                lines.append(f"| {bw} | {mode} | failed (below) |" + " |" * 13)
+                continue
+            row = r["_record"]["row"]
+            ideal = ideal_internode_bytes_per_step(n, mode) / 1e6
+            reach_a = first_reach(r["history"], target_a)
+            reach_b = first_reach(r["history"], target_b) if target_b else None
+            speed = r["measured_samples_per_s"] / stock["measured_samples_per_s"] if stock else None
+            outer = "–"
+            if row.get("outer_comm_s"):
+                outer = (f"{row['outer_comm_s']:.2f} / {row['outer_wait_s']:.2f} "
+                         f"({100 * row['outer_wait_s'] / row['outer_comm_s']:.1f}%)")
+            fin = row.get("final_val_loss_finalized")
+            lines.append(
+                f"| {bw} | {mode} | {row['samples_per_s']:.1f} | {'–' if speed is None else f'{speed:.2f}x'} | "
+                f"{row['step_time_s']:.3f} | {row.get('inter_mb_per_step', float('nan')):.3f} | {ideal:.3f} | "
+                f"{row.get('inter_mb_per_step', float('nan')) / ideal:.2f}x | "
+                f"{row.get('intra_mb_per_step', float('nan')):.2f} | {row['final_val_loss']:.3f} | "
+                f"{'–' if fin is None else f'{fin:.3f}'} | "
+                f"{'not reached' if reach_a is None else f'{reach_a[0]:.1f}'} | "
+                f"{'not reached' if reach_b is None else f'{reach_b[0]:.1f}'} | {outer} | "
+                f"{'–' if row.get('syncs') is None else row['syncs']} |")
+            table.append({"bandwidth": bw, "mode": mode, "ideal_mb_per_step": ideal, "speedup": speed,
+                          "time_to_target_a": reach_a, "target_a": target_a, "time_to_target_b": reach_b,
+                          "target_b": target_b, **row, "command": r["_record"]["command"]})
+    co2 = runs.get(("50mbit", "co2 H=32"))
+    if co2 and co2["_record"]["row"].get("outer_comm_s"):
+        row = co2["_record"]["row"]
+        lines += ["", f"co2 H=32 at 50mbit: the compute side waited {row['outer_wait_s']:.3f} s for "
+                      f"{row['outer_comm_s']:.3f} s of outer all-reduce on the communication thread = "
+                      f"{100 * row['outer_wait_s'] / row['outer_comm_s']:.1f}% (before finalize)."]
+    lines += ["", "Where the bytes went (MB over the training loop, first step to the end of finalize; node A / "
+                  "node B; \"after destroy\": the veth counter once the engine's threads were closed):", "",
+              "| bandwidth | mode | inter-node (veth) A / B | after destroy A / B | intra-node (lo) A / B | ranks of a "
+              "node read the same veth counter |", "|---|---|---|---|---|---|"]
+    for (bw, mode), r in runs.items():
+        row = r["_record"]["row"]
+        mb = lambda v: "–" if not v else " / ".join(f"{x / 1e6:.2f}" for x in v)  # noqa: E731
+        lines.append(f"| {bw} | {mode} | {mb(row.get('inter_node_bytes'))} | "
+                     f"{mb(row.get('inter_node_bytes_after_destroy'))} | {mb(row.get('intra_node_bytes'))} | "
+                     f"{row.get('same_node_readings_agree')} |")
+    for (bw, mode), err in failed.items():
+        lines += ["", f"**{mode} at {bw} failed**:", "", "```", err, "```"]
+    cmds = [r["_record"]["command"] for r in runs.values()]
+    text = "\n".join(lines) + "\n\nEach row (one run):\n\n" + "\n".join(f"    {c}" for c in cmds)
+    pngs = plot_twonode(runs, a.bandwidths, a.modes, target_a)
+    text += "".join(f"\n\n![{p.stem}]({p.relative_to(ROOT) if p.is_relative_to(ROOT) else p})" for p in pngs)
+    print("\n" + text)
+    h.tables["twonode"] = table
+    return "### Two nodes: local-SGD vs ACCO\n\n" + text
+
+
+def twonode_text(n, a, target_a):
+    per_step = TWONODE_MICRO_BS * TWONODE_GAS * 4 * BLOCK
+    return (f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), micro-batch {TWONODE_MICRO_BS} x {BLOCK} tokens, "
+            f"{TWONODE_GAS} micro-batches per rank per inner step (acco adaptive: as many as the link allows, up to "
+            f"8 per round), 4 ranks as 2 nodes of 2 (one core per node, shared by its 2 ranks), token budget "
+            f"{a.tokens:,} ({a.tokens // per_step} inner steps of {per_step:,} tokens), "
+            f"validation every {a.eval_interval} inner steps on {a.eval_batches} held-out batches (the committed "
+            f"model: for diloco/co2 the last global model, which moves only at a sync). samples/s: after {a.warmup} "
+            f"warm-up steps, evaluations excluded. Bytes: each node's veth tx counter over the training loop (first "
+            f"step to the end of finalize, TCP/IP headers included) / inner steps, the larger node; ideal "
+            f"(`ideal_internode_bytes_per_step`, node-aware collectives, fp32): ZeRO-1 6N = {6 * n / 1e6:.2f} MB, "
+            f"ACCO 8N = {8 * n / 1e6:.2f} MB, diloco/co2 4N/H = {4 * n / 8e6:.3f} MB (H=8), {4 * n / 32e6:.3f} MB "
+            f"(H=32). Time to target: training time (no start-up, no evaluations) at the first validation at or "
+            f"below it. Target {target_a:.2f}: the highest validation loss any row ends at (so every row reaches "
+            f"it); the second target: 1.02 × stock ZeRO-1's final validation loss at the same bandwidth.")
+
+
+def plot_twonode(runs, bandwidths, modes, target):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plots")
+        return []
+    fig, axes = plt.subplots(1, len(bandwidths), figsize=(5.2 * len(bandwidths), 4.2), sharey=True, squeeze=False)
+    for ax, bw in zip(axes[0], bandwidths):
+        for mode in modes:
+            r = runs.get((bw, mode))
+            if r is None:
+                continue
+            hist = r["history"]
+            ax.plot([p["time"] for p in hist], [p["val_loss"] for p in hist], marker=".",
+                    drawstyle="steps-post" if "H=" in mode else "default", label=mode)
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{bw} between nodes")
+        ax.set_xlabel("training time (s, no evaluations)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (committed model)")
+    axes[0][0].set_ylim(top=min(axes[0][0].get_ylim()[1], 5.6))
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / "cluster_twonode.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
 
 
 def workload_text(compute_step):
@@ -544,6 +782,18 @@ def estimate_s(args, parts):
         return RUN_OVERHEAD_S + steps * step
 
     total = RUN_OVERHEAD_S
+    if "twonode" in parts:  # 4 ranks on 2 cores: twice the compute per step, a slower start
+        for bw in args.bandwidths:
+            for m in args.modes:
+                rate = None if bw == "unlimited" else rate_bits(bw) / 8
+                if "H=" in m:
+                    comm = 0 if rate is None else 4 * n / int(m.split("H=")[1]) / rate
+                    step = 0.5 * COMPUTE_STEP_S + (comm if m.startswith("diloco") else 0)
+                elif m == STOCK:
+                    step = 0.5 * COMPUTE_STEP_S + (0 if rate is None else 9 * n / rate)
+                else:
+                    step = max(0.5 * COMPUTE_STEP_S, 0 if rate is None else 14 * n / rate)
+                total += 2 * RUN_OVERHEAD_S + args.steps * step
     if "netcheck" in parts:
         total += 4 * sum(1 for b in args.bandwidths if b != "unlimited")
     if "throughput" in parts:
@@ -558,7 +808,7 @@ def estimate_s(args, parts):
     return total
 
 
-def machine_line():
+def machine_line(layout="pair"):
     try:
         model = next((line.split(":", 1)[1].strip() for line in harness.sh("lscpu", timeout=10).stdout.splitlines()
                       if line.startswith("Model name")), "unknown CPU")
@@ -570,7 +820,9 @@ def machine_line():
         ds = version("deepspeed")
     except Exception:  # noqa: BLE001
         ds = "?"
-    return (f"{model}, {os.cpu_count()} cores (one per rank, `taskset`; the ACCO communication thread shares its "
+    cores = ("one per node, shared by its 2 ranks (4 ranks on 2 cores: oversubscribed)" if layout == "twonode"
+             else "one per rank")
+    return (f"{model}, {os.cpu_count()} cores ({cores}, `taskset`; the ACCO communication thread shares its "
             f"rank's core), gloo, Python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {ds}")
 
 
@@ -579,11 +831,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("command", nargs="?", default="all",
-                   choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke"])
+                   choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke", "twonode"])
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run, and exit")
     p.add_argument("--bandwidths", type=lambda s: s.split(","), default=BANDWIDTHS,
                    help="comma-separated: unlimited (loopback), or a tbf rate such as 1gbit, 200mbit, 50mbit")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help=", ".join(MODES))
+    p.add_argument("--modes", type=lambda s: s.split(","), default=None,
+                   help=", ".join(MODES) + f" (default: {', '.join(PAIR_MODES)}; twonode: {', '.join(TWONODE_MODES)})")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="committed steps per throughput run")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings")
@@ -601,6 +854,10 @@ def main():
     p.add_argument("--skip_netcheck", action="store_true")
     p.add_argument("--bandwidth", default="unlimited", help="`one`: the link")
     p.add_argument("--mode", default="acco fixed", choices=list(MODES), help="`one`: the mode")
+    p.add_argument("--layout", default="pair", choices=list(LAYOUTS),
+                   help="pair: 2 ranks, one namespace each; twonode: 4 ranks as 2 nodes of 2 (the twonode command)")
+    p.add_argument("--target", type=float, default=None,
+                   help="twonode: target validation loss (default: the highest final loss of any row)")
     p.add_argument("--extra", default="", help="`one`: extra train_worker.py flags")
     p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--results_dir", "--out", default=None,
@@ -615,6 +872,21 @@ def main():
         return
     if args.command == "smoke":
         args.bandwidths, args.repeats, args.steps, args.warmup = ["unlimited"], 1, 2, 1
+    if args.command == "twonode":
+        # 64 inner steps of 16,384 tokens (2 syncs at H=32), validation every 8, unlimited/200/50 Mbit.
+        args.layout = "twonode"
+        if args.bandwidths == p.get_default("bandwidths"):
+            args.bandwidths = ["unlimited", "200mbit", "50mbit"]
+        args.modes = args.modes or list(TWONODE_MODES)
+        if args.steps == p.get_default("steps"):
+            args.steps = 64
+        if args.eval_interval == p.get_default("eval_interval"):
+            args.eval_interval = 8
+        if args.eval_batches == p.get_default("eval_batches"):
+            args.eval_batches = 16
+        if args.tokens == p.get_default("tokens"):
+            args.tokens = args.steps * TWONODE_MICRO_BS * TWONODE_GAS * LAYOUTS["twonode"][0] * BLOCK
+    args.modes = args.modes or list(PAIR_MODES)
     if args.command == "one":
         args.bandwidths = [args.bandwidth]
         if args.tokens == p.get_default("tokens"):
@@ -622,9 +894,10 @@ def main():
     for name in args.modes + args.convergence_modes:
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; known: {', '.join(MODES)}")
-    parts = {"all": ["netcheck", "throughput", "hetero", "convergence"], "smoke": ["throughput"]}.get(
-        args.command, [args.command])
-    needs_ns = [b for b in args.bandwidths if b != "unlimited" and set(parts) & {"netcheck", "throughput", "one"}]
+    parts = {"all": ["netcheck", "throughput", "hetero", "convergence"], "smoke": ["throughput"],
+             "twonode": ["netcheck", "twonode"]}.get(args.command, [args.command])
+    needs_ns = [b for b in args.bandwidths if (b != "unlimited" or args.layout == "twonode")
+                and set(parts) & {"netcheck", "throughput", "one", "twonode"}]
     needs_ns += [b for part, b in (("hetero", args.hetero_bandwidth), ("convergence", args.convergence_bandwidth))
                  if part in parts and b != "unlimited"]
     reason = harness.namespaces_unavailable() if needs_ns else None
@@ -646,11 +919,11 @@ def main():
             if args.command == "one":
                 cmd_one(h)
                 return
-            if parts != ["netcheck"]:
+            if parts != ["netcheck"] and args.layout == "pair":
                 print(workload_text(h.calibrate() * GAS), flush=True)
             for part in parts:
                 section = {"netcheck": cmd_netcheck, "throughput": cmd_throughput, "hetero": cmd_hetero,
-                           "convergence": cmd_convergence}[part](h)
+                           "convergence": cmd_convergence, "twonode": cmd_twonode}[part](h)
                 if section:
                     sections.append(section)
         except KeyboardInterrupt as e:
@@ -658,15 +931,18 @@ def main():
             h.close()
             raise SystemExit(130)
         took = time.time() - started
-        header = (f"Machine: {machine_line()}. {time.strftime('%Y-%m-%d %H:%M')}. Command: `{command}` "
-                  f"(took {took / 60:.1f} min; estimate {est / 60:.0f} min). Throughput and heterogeneity runs: "
-                  f"{args.repeats} repeat(s) of {args.steps} committed steps, the first {args.warmup} left out of "
-                  f"the timings (and DeepSpeed start-up and evaluation never count)." + (
+        header = (f"Machine: {machine_line(args.layout)}. {time.strftime('%Y-%m-%d %H:%M')}. Command: `{command}` "
+                  f"(took {took / 60:.1f} min; estimate {est / 60:.0f} min). " + (
+                      f"One run per row, {args.steps} inner steps, the first {args.warmup} left out of the timings "
+                      f"(DeepSpeed start-up and evaluation never count)." if args.layout == "twonode" else
+                      f"Throughput and heterogeneity runs: "
+                      f"{args.repeats} repeat(s) of {args.steps} committed steps, the first {args.warmup} left out of "
+                      f"the timings (and DeepSpeed start-up and evaluation never count).") + (
                       f" Compute without communication: `{h.calibration_cmd}`." if h.compute_micro_s else ""))
         text = header + "\n\n" + "\n\n".join(sections) + "\n"
         stem = RESULTS / f"cluster_{args.command}"
         stem.with_suffix(".md").write_text(text)
-        json.dump({"command": command, "machine": machine_line(), "took_s": took, "estimate_s": est,
+        json.dump({"command": command, "machine": machine_line(args.layout), "took_s": took, "estimate_s": est,
                    "compute_micro_s": h.compute_micro_s, "tables": h.tables}, open(stem.with_suffix(".json"), "w"),
                   indent=1)
         with open(stem.with_suffix(".csv"), "w", newline="") as f:

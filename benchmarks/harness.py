@@ -3,7 +3,8 @@ set of rank processes with logs and deadlines, and the cleanup of all of it.
 
 * ``free_port()``: a TCP port that is free now (MASTER_PORT).
 * ``Network``: two network namespaces joined by a veth pair, optionally limited with the ``tbf`` qdisc
-  (``limit("200mbit")``), with each end's tx counter (``tx_bytes()``), a link cut (``set_link``) and a
+  (``limit("200mbit")``, ``unlimit()``), with each end's tx counter (``tx_bytes()``, and the loopback's:
+  ``lo_tx_bytes()``), a link cut (``set_link``) and a
   TCP goodput check (``goodput()``); ``close()`` removes them, ``cleanup_leftovers()`` those of a run
   that was killed with SIGKILL. Addresses are only ever used inside these namespaces.
 * ``link_tx_bytes()``: inside a rank, the bytes sent so far on gloo's interface (GLOO_SOCKET_IFNAME).
@@ -108,6 +109,20 @@ class Network:
             sh("tc", "-n", self.ns[r], "qdisc", "replace", "dev", self.dev[r], "root", "tbf", "rate", rate, "burst",
                "256kb", "latency", "50ms")
         self.rate = rate
+
+    def unlimit(self):
+        """Remove the tbf limit from both ends (the veth pair at full speed)."""
+        for r in range(2):
+            sh("tc", "-n", self.ns[r], "qdisc", "del", "dev", self.dev[r], "root", check=False)
+        self.rate = None
+
+    def lo_tx_bytes(self):
+        """Bytes each namespace's loopback has sent so far (traffic that stayed inside a namespace)."""
+        out = []
+        for r in range(2):
+            info = json.loads(sh("ip", "-n", self.ns[r], "-j", "-s", "link", "show", "dev", "lo").stdout)
+            out.append(info[0]["stats64"]["tx"]["bytes"])
+        return out
 
     def set_link(self, rank, up):
         """Bring rank's end of the veth pair up or down (a cut link)."""

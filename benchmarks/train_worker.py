@@ -8,12 +8,19 @@ measurement needs.
 What it adds to the example:
 
 * ``--mode`` / ``--accumulation`` override the config's acco block (``--mode zero1`` removes it:
-  stock DeepSpeed); ``--tokens`` sets the run's length as a token budget.
+  stock DeepSpeed; ``--mode diloco|co2`` with ``--sync_every H --replica_group_size k`` the local-SGD
+  modes, ACCO-only keys dropped); ``--tokens`` sets the run's length as a token budget (the run stops at
+  the first committed step whose samples reach it, so adaptive steps of more micro-batches run fewer steps).
 * ``--warmup_steps``: the throughput figures (``measured_*``) leave the first steps out; the window
   runs from commit to commit, evaluations excluded.
 * Bytes on the wire: when gloo is bound to one interface (GLOO_SOCKET_IFNAME, a veth of
   ``harness.Network``), each rank reads its interface's tx counter and TCP retransmits at both ends of
-  the measured window, and rank 0 all-gathers them (``measured_tx_bytes_per_rank``).
+  the measured window, and rank 0 all-gathers them (``measured_tx_bytes_per_rank``). The same counters
+  and the loopback's are also read before the first step and after the engine's finalize (the last
+  synchronisation), so ``run_tx_bytes_per_rank`` / ``run_lo_tx_bytes_per_rank`` hold every byte of the
+  training loop (two ranks in one namespace read the same counters).
+* ACCO engines are finalized (``acco_finalize``) before the summary: ``finalize_s`` and the validation
+  loss of the model the run delivers (``final_val_loss_finalized``); ``acco_stats()`` is read before it.
 * ``--slow_rank R --slow_factor F`` (benchmark only): rank R's micro-batches take F times as long. ACCO
   runs get the engine's ``acco.emulation`` block; stock DeepSpeed has none, so this loop sleeps
   (F - 1) x the micro-batch's compute time after its backward, the same way.
@@ -45,12 +52,22 @@ import acco_ds  # noqa: E402
 
 
 def acco_totals(engine):
-    """Cumulative ACCO round figures (None for a stock engine)."""
+    """Cumulative ACCO round figures (None for a stock engine); local-SGD modes add their outer figures."""
     if not hasattr(engine, "acco_stats"):
         return None
     s = engine.acco_stats()
     return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
-                              "stats_allreduce_s", "update_s", "all_gather_s")}
+                              "stats_allreduce_s", "update_s", "all_gather_s", "outer_comm_s", "outer_wait_s")
+            if k in s}
+
+
+def lo_tx_bytes():
+    """Bytes sent so far on this namespace's loopback (traffic between ranks of one "node")."""
+    try:
+        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
 
 
 def main():
@@ -59,9 +76,13 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="committed optimizer steps")
     parser.add_argument("--tokens", type=int, default=0,
                         help="stop after this many training tokens (overrides --steps)")
-    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1"], default=None,
+    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1", "diloco", "co2"], default=None,
                         help="override the config's acco.mode; zero1 removes the acco block (stock DeepSpeed)")
     parser.add_argument("--accumulation", choices=["fixed", "adaptive"], default=None)
+    parser.add_argument("--sync_every", type=int, default=None, help="diloco/co2: inner steps per period (H)")
+    parser.add_argument("--replica_group_size", type=int, default=None, help="diloco/co2: ranks per replica (k)")
+    parser.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
+    parser.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_head", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
@@ -81,6 +102,10 @@ def main():
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     with open(args.deepspeed_config) as f:
         config = json.load(f)
+    if args.micro_batch:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.gas:
+        config["gradient_accumulation_steps"] = args.gas
     if args.mode == "zero1":
         config.pop("acco", None)
     elif args.mode or args.accumulation or (args.slow_factor > 1 and "acco" in config):
@@ -91,6 +116,14 @@ def main():
             config["acco"]["accumulation"] = args.accumulation
         if args.slow_factor > 1:
             config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
+        if config["acco"].get("mode") in ("diloco", "co2"):
+            for key in ("accumulation", "max_micro_batches_per_round"):  # ACCO-only keys are rejected there
+                config["acco"].pop(key, None)
+            local = config["acco"].setdefault("local_sgd", {})
+            if args.sync_every:
+                local["sync_every"] = args.sync_every
+            if args.replica_group_size:
+                local["replica_group_size"] = args.replica_group_size
     args.deepspeed_config = None  # the dict below is the config now
 
     torch.manual_seed(args.seed)
@@ -107,6 +140,12 @@ def main():
     val = Batches(data[split:], args.block_size, micro_bs, seed=args.seed)
     tokens_per_step = micro_bs * gas * world * args.block_size
     steps = math.ceil(args.tokens / tokens_per_step) if args.tokens else args.steps
+    samples_goal = math.ceil(args.tokens / args.block_size) if args.tokens else None
+
+    def done():
+        if samples_goal is not None:  # a token budget: adaptive steps hold more samples than tokens_per_step
+            return engine.global_samples >= samples_goal
+        return engine.global_steps >= steps
     label = run_label(config)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -121,8 +160,9 @@ def main():
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
+    run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
     end = warm
-    while engine.global_steps < steps:
+    while not done():
         x, y = train.get(micro)
         before = engine.global_steps
         t0 = time.perf_counter()
@@ -137,7 +177,7 @@ def main():
             continue
         # A step was committed: the module holds the new parameters.
         first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
-        if first_after_warmup or engine.global_steps >= steps:
+        if first_after_warmup or done():
             # The measured window runs from commit to commit (a final evaluation, which waits for the round
             # already in flight and may commit it, stays outside).
             mark = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
@@ -146,9 +186,9 @@ def main():
                 warm = mark
             end = mark
         elapsed = time.perf_counter() - start - eval_time
-        tokens = engine.global_steps * tokens_per_step
+        tokens = engine.global_samples * args.block_size
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
-        if engine.global_steps % args.eval_interval == 0 or engine.global_steps == steps:
+        if engine.global_steps % args.eval_interval == 0 or done():
             t0 = time.perf_counter()
             history.append({"step": engine.global_steps, "tokens": tokens, "time": elapsed,
                             "val_loss": evaluate(engine, val, args.eval_batches, device), "train_loss": train_loss})
@@ -161,12 +201,24 @@ def main():
     measured_steps = end["step"] - warm["step"]
     if bar is not None:
         bar.close()
+    # Read the engine's figures before finalize (it ends the period schedule), then finalize: the last
+    # synchronisation (local-SGD) or the last commit (ACCO), timed, and the loss of the model delivered.
+    stats = engine.acco_stats() if hasattr(engine, "acco_stats") else None
+    finalize_s, finalized_loss = None, None
+    if hasattr(engine, "acco_finalize"):
+        t0 = time.perf_counter()
+        engine.acco_finalize()
+        finalize_s = time.perf_counter() - t0
+    run_end = {"tx": link_tx_bytes(), "lo": lo_tx_bytes()}
+    if finalize_s is not None:
+        finalized_loss = evaluate(engine, val, args.eval_batches, device)
 
     summary = {
-        "label": label, "world_size": world, "steps": end["step"], "tokens": end["step"] * tokens_per_step,
-        "train_time_s": elapsed, "tokens_per_s": end["step"] * tokens_per_step / elapsed,
+        "label": label, "world_size": world, "steps": end["step"], "tokens": end["samples"] * args.block_size,
+        "train_time_s": elapsed, "tokens_per_s": end["samples"] * args.block_size / elapsed,
         "samples_per_s": end["samples"] / elapsed, "step_time_s": elapsed / max(end["step"], 1),
         "first_loss": history[0]["val_loss"], "final_val_loss": history[-1]["val_loss"],
+        "finalize_s": finalize_s, "final_val_loss_finalized": finalized_loss,
         "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
         "micro_batches": micro, "skipped_steps": engine.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -183,8 +235,16 @@ def main():
         deepspeed.comm.all_gather(gathered, sent)
         summary["measured_tx_bytes_per_rank"] = [int(t[0].item()) for t in gathered]
         summary["measured_tcp_retransmits_per_rank"] = [int(t[1].item()) for t in gathered]
-    if hasattr(engine, "acco_stats"):
-        stats = engine.acco_stats()
+    if run_end["tx"] is not None and run_start["tx"] is not None:
+        # Every byte of the training loop, first step to the end of finalize, on gloo's interface and on lo.
+        lo = (run_end["lo"] - run_start["lo"]) if run_end["lo"] is not None and run_start["lo"] is not None else -1
+        sent = torch.tensor([float(run_end["tx"][0] - run_start["tx"][0]), float(lo)], dtype=torch.float64,
+                            device=device)
+        gathered = [torch.zeros_like(sent) for _ in range(world)]
+        deepspeed.comm.all_gather(gathered, sent)
+        summary["run_tx_bytes_per_rank"] = [int(t[0].item()) for t in gathered]
+        summary["run_lo_tx_bytes_per_rank"] = [int(t[1].item()) for t in gathered]
+    if stats is not None:
         stats.pop("last_rounds", None)
         stats["micro_batches_per_rank"] = gather_counts(micro, device)
         if warm["stats"] is not None:
@@ -199,6 +259,14 @@ def main():
                 json.dump(summary, f, indent=1)
             print(f"results        : {args.results}")
     engine.destroy()
+    if args.results and run_start["tx"] is not None:
+        # Every rank: its counters once destroy() has closed the communication threads (co2's last
+        # all-reduce may still have been on the wire when the counters above were read).
+        tx, lo = link_tx_bytes(), lo_tx_bytes()
+        with open(f"{args.results}.rank{rank}", "w") as f:
+            json.dump({"rank": rank, "tx_bytes_after_destroy": tx[0] - run_start["tx"][0],
+                       "lo_tx_bytes_after_destroy": None if lo is None or run_start["lo"] is None
+                       else lo - run_start["lo"]}, f)
 
 
 if __name__ == "__main__":

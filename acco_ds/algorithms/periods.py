@@ -50,13 +50,9 @@ class PeriodSchedule:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.mode, self.sync_every = mode, sync_every
-        self.period = 0  # index of the current period
+        self.period = 0  # index of the current period (= syncs done)
         self.inner = 0  # inner steps done in the current period
-
-    @property
-    def in_flight(self) -> bool:
-        """co2: a pseudo-gradient was sent and not applied yet (from the second period on)."""
-        return self.mode == CO2 and self.period > 0
+        self.in_flight = False  # co2: a pseudo-gradient was sent and not applied yet
 
     def after_inner_step(self):
         """Count one inner step; return the ``Sync`` to run when the period ends, else None."""
@@ -71,7 +67,8 @@ class PeriodSchedule:
             return None
         # co2: apply what is in flight; then average the last (possibly partial) period at once.
         sync = Sync(self.period, wait_previous=self.in_flight, blocking=self.inner > 0, send=False)
-        self.period, self.inner = 0, 0
+        self.period += 1 if self.inner else 0
+        self.inner, self.in_flight = 0, False
         return sync
 
     def _end_period(self) -> Sync:
@@ -79,10 +76,12 @@ class PeriodSchedule:
                     send=self.mode == CO2)
         self.period += 1
         self.inner = 0
+        self.in_flight = sync.send
         return sync
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "sync_every": self.sync_every, "period": self.period, "inner": self.inner}
+        return {"mode": self.mode, "sync_every": self.sync_every, "period": self.period, "inner": self.inner,
+                "in_flight": self.in_flight}
 
     def load_state_dict(self, sd: dict) -> None:
         for key in ("mode", "sync_every"):
@@ -90,6 +89,7 @@ class PeriodSchedule:
                 raise ValueError(f"checkpoint was saved with local-SGD {key}={sd[key]!r} but this run has "
                                  f"{getattr(self, key)!r}: resume with the same acco block")
         self.period, self.inner = int(sd["period"]), int(sd["inner"])
+        self.in_flight = bool(sd["in_flight"])
 
 
 __all__ = ["PeriodSchedule", "Sync", "DILOCO", "CO2"]

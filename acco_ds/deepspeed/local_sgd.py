@@ -109,11 +109,13 @@ class LocalSGD:
             self.outer_wait_s += time.perf_counter() - t0
             self._outer(deltas)
             new = self.anchor
-        else:  # co2: jump to the new global model plus this replica's own progress, send that progress
+        elif sync.send:  # co2: jump to the new global model plus this replica's own progress, send that progress
             new = [x - d for x, d in zip(self.anchor, deltas)]
             for buf, d in zip(self.in_flight, deltas):
                 buf.copy_(d)
             self.outer_comm.submit(self._all_reduce_job)
+        else:  # co2's last sync with no inner step since the previous one: every replica takes the anchor
+            new = self.anchor
         if self.start is not None:
             for s, n in zip(self.start, new):
                 s.copy_(n)
