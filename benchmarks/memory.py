@@ -176,9 +176,9 @@ def local_sgd_workload(args):
     print("| mode | k (replica group) | R | stock peak RSS per rank (MB) | peak RSS per rank (MB) | "
           "measured − stock, worst rank (MB) | acco-ds memory estimate − stock (MB) |")
     print("|---|---|---|---|---|---|---|")
+    stock_peaks = " / ".join(f"{s['phases']['end']['peak'] / 2**20:.0f}" for s in stock)
     for r in rows:
-        print(f"| {r['mode']} | {r['k']} | {world // r['k']} | "
-              f"{' / '.join(f'{s['phases']['end']['peak'] / 2**20:.0f}' for s in stock)} | "
+        print(f"| {r['mode']} | {r['k']} | {world // r['k']} | {stock_peaks} | "
               f"{' / '.join(f'{v:.0f}' for v in r['peak_mb'])} | {max(r['measured_extra_mb']):+.0f} | "
               f"{r['estimated_extra_mb']:+.0f} |")
     cmd = f"python benchmarks/memory.py --workload states --local --steps {args.steps}"
