@@ -74,7 +74,7 @@ def test_patch_is_idempotent_and_reversible():
 
 def test_patched_initialize_picks_the_engine_from_the_config(tmp_path):
     """A real 1-rank gloo group: the engine class follows the "acco" block, the swap is scoped to
-    the call, PipelineModule is refused with a pointer to --no-pipeline-parallel, unpatch restores."""
+    the call, a one-stage PipelineModule gets ACCO's pipeline engine, unpatch restores."""
     out = tmp_path / "patch.json"
     # Opt out of the startup hook: this test is about explicit patch()/unpatch().
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -86,7 +86,7 @@ def test_patched_initialize_picks_the_engine_from_the_config(tmp_path):
     assert r["acco_global_steps"] == 3  # 7 micro-batches, gas=2 (k=1): commits after 3, 5, 7
     assert r["acco_config_params_engine"] == "ACCOEngine"  # Accelerate's way of passing the config
     assert r["disabled_engine"] == r["no_block_engine"] == "DeepSpeedEngine" and r["name_restored"]
-    assert r["pipeline_error"] and "--no-pipeline-parallel" in r["pipeline_error"], r["pipeline_error"]
+    assert r["pipeline_engine"] == "ACCOPipelineEngine" and r["pipeline_name_restored"]
     assert r["unpatched"] and r["after_unpatch_engine"] == "DeepSpeedEngine"
 
 

@@ -63,13 +63,11 @@ out["acco_config_params_engine"] = type(build(config({"enabled": True}), how="co
 out["disabled_engine"] = type(build(config({"enabled": False}))).__name__
 out["no_block_engine"] = type(build(config(None))).__name__
 out["name_restored"] = deepspeed.DeepSpeedEngine is not ACCOEngine  # the swap is scoped to the call
-try:
-    pipe = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)], num_stages=1)
-    build_pipe = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(),
-                                      config=config({"enabled": True}))
-    out["pipeline_error"] = None
-except ValueError as err:
-    out["pipeline_error"] = str(err)
+# A PipelineModule of one stage gets ACCO's pipeline engine (Megatron-DeepSpeed's default engine).
+pipe = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)], num_stages=1)
+pipe_engine = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=config({"enabled": True}))[0]
+out["pipeline_engine"] = type(pipe_engine).__name__
+out["pipeline_name_restored"] = deepspeed.PipelineEngine.__name__ == "PipelineEngine"
 acco_ds.unpatch()
 out["unpatched"] = deepspeed.initialize is original and not acco_ds.is_patched()
 out["after_unpatch_engine"] = type(build(config({"enabled": True}))).__name__
