@@ -106,7 +106,7 @@ class TPNet(nn.Module):
 
 def assemble(shards):
     """The unsplit model's flat parameters from the TP ranks' flat shards (fc1.w, fc1.b, fc2.w, fc2.b)."""
-    tp, n = len(shards), HIDDEN // len(shards)
+    n = HIDDEN // len(shards)
     parts = []
     for s in shards:
         w1, b1, w2, b2 = torch.split(s, [n * 7, n, 3 * n, 3])

@@ -228,10 +228,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.view.show(self.committed_flats() if self.view.depth == 0 else None)  # nested: the outer read shows
 
     def finalize(self) -> bool:
-        """Install the committed weights of the in-flight commit and restart
-        the rounds (a start-up round comes next). The engine first ends rounds
-        until no gradient is left outside that commit. Returns whether a
-        step was committed."""
+        """Install the in-flight commit's weights and restart the rounds (the engine first ends rounds
+        until no gradient is left outside it). Returns whether there was a commit to install."""
         self.view.restore()
         self.drain()
         flats = self.committed_flats()
@@ -248,8 +246,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self._round_wait_s += time.perf_counter() - t0
 
     def step(self, closure=None):
-        raise RuntimeError("ACCOZeroOptimizer.step() is driven by the ACCO engine: call engine.step(), "
-                           "not engine.optimizer.step()")
+        raise RuntimeError("ACCOZeroOptimizer is driven by the ACCO engine: call engine.step(), not optimizer.step()")
 
     def destroy(self):
         for h in self._hooks:

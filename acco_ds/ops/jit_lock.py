@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 
 logger = logging.getLogger("acco_ds")
