@@ -14,14 +14,12 @@ from typing import Literal, Optional
 
 import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
+
+from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, AnomalyConfig,
+                           LocalSGDConfig, _Documented)
 
 ACCO_KEY = "acco"
-
-
-class _Documented(DeepSpeedConfigModel):
-    """A config model whose field docstrings become the fields' descriptions."""
-    model_config = ConfigDict(use_attribute_docstrings=True)
 
 
 class ACCOEmulationConfig(_Documented):
@@ -44,49 +42,6 @@ class ACCOEmulationConfig(_Documented):
     that forward+backward."""
 
 
-LOCAL_SGD_MODES = ("diloco", "co2")
-ROUND_MODES = ("acco", "dpu", "sync")
-
-# Outer-optimizer defaults per mode (DiLoCo's paper; CO2's released code).
-OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
-                  "co2": {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False}}
-
-
-class LocalSGDConfig(_Documented):
-    """The local-SGD family (DiLoCo, CO2): replicas train alone for ``sync_every``
-    inner steps, then their pseudo-gradients are averaged into an outer step."""
-
-    sync_every: int = Field(20, ge=1)
-    """Inner steps per period (H): a replica syncs with the others every this many optimizer steps."""
-
-    replica_group_size: Optional[int] = Field(None, ge=1)
-    """Ranks per replica group (k); inside a group every inner step is ZeRO-1 over the group's links.
-    ``"auto"`` (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
-    world size and leave at least two replicas."""
-
-    outer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    """Outer learning rate (η; α in CO2). Default: 0.7 in ``diloco``, 1.0 in ``co2``."""
-
-    outer_momentum: Optional[float] = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
-    """Outer momentum (μ; β in CO2). Default: 0.9 in ``diloco``, 0.5 in ``co2``."""
-
-    nesterov: Optional[StrictBool] = None
-    """Nesterov outer momentum (torch's SGD). Default: true in ``diloco``, false (heavy ball) in ``co2``."""
-
-    staleness_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    """``co2`` only: λ, the pseudo-gradient enters the momentum as δ̄/λ (default 1)."""
-
-    outer_momentum_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    """``co2`` only: clamp the outer momentum element-wise to [-c, c] (default: no clipping)."""
-
-    def resolved(self, mode: str) -> dict:
-        """The outer settings of ``mode``, defaults filled in."""
-        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in OUTER_DEFAULTS[mode].items()}
-        out["staleness_penalty"] = self.staleness_penalty if self.staleness_penalty is not None else 1.0
-        out["outer_momentum_clip"] = self.outer_momentum_clip
-        return out
-
-
 class ACCOConfig(_Documented):
     """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613).
 
@@ -103,13 +58,15 @@ class ACCOConfig(_Documented):
     boolean only: ``"yes"``, ``"on"`` or ``1`` are rejected, so a typo never
     turns ACCO on or off silently."""
 
-    mode: Literal["acco", "dpu", "sync", "diloco", "co2"] = "acco"
+    mode: Literal["acco", "dpu", "sync", "diloco", "co2", "edit"] = "acco"
     """``acco``: two rounds per optimizer step, the first estimates the next
     parameters with a Peek of the optimizer (delay compensation), the second
     commits; communication of each half-batch hides behind the compute of the
     next. ``dpu``: delayed parameter update, the paper's baseline: the step uses
     the gradient of the previous batch. ``sync``: plain ZeRO-1 (no overlap),
-    for A/B comparisons; numerically equal to stock DeepSpeed ZeRO-1."""
+    for A/B comparisons; numerically equal to stock DeepSpeed ZeRO-1.
+    ``diloco``, ``co2``, ``edit``: the local-SGD family (DESIGN.md section 7), set
+    up by ``local_sgd``; ``edit`` with ``local_sgd.sync_time_s`` is A-EDiT."""
 
     accumulation: Literal["fixed", "adaptive"] = "fixed"
     """``fixed``: every round accumulates exactly its configured number of
@@ -136,14 +93,14 @@ class ACCOConfig(_Documented):
     hanging."""
 
     local_sgd: Optional[LocalSGDConfig] = None
-    """Settings of the local-SGD modes (``diloco``, ``co2``): see ``LocalSGDConfig``."""
+    """Settings of the local-SGD modes (``diloco``, ``co2``, ``edit``): see ``LocalSGDConfig``."""
 
     emulation: ACCOEmulationConfig = Field(default_factory=ACCOEmulationConfig)
     """Benchmark/test only: see ``ACCOEmulationConfig``."""
 
     @property
     def local(self) -> bool:
-        """A local-SGD mode (``diloco``, ``co2``)."""
+        """A local-SGD mode (``diloco``, ``co2``, ``edit``)."""
         return self.mode in LOCAL_SGD_MODES
 
     @property
@@ -155,7 +112,7 @@ class ACCOConfig(_Documented):
     def _check_local_sgd(self):
         if self.local_sgd is not None and not self.local:
             raise ValueError(f'acco.local_sgd configures the local-SGD modes ({", ".join(LOCAL_SGD_MODES)}) but '
-                             f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"')
+                             f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"/"edit"')
         if self.local:
             acco_only = [k for k in ("accumulation", "max_micro_batches_per_round") if k in self.model_fields_set]
             if acco_only:
@@ -163,11 +120,21 @@ class ACCOConfig(_Documented):
                                  f'acco.mode="{self.mode}": remove it (inner steps accumulate '
                                  f'gradient_accumulation_steps micro-batches, as ZeRO-1 does)')
             ls = self.local_sgd
-            if self.mode == "diloco" and ls is not None:
+            if self.mode != "co2" and ls is not None:
                 for key in ("staleness_penalty", "outer_momentum_clip"):
                     if getattr(ls, key) is not None:
                         raise ValueError(f'acco.local_sgd.{key} applies to mode "co2" (its stale pseudo-gradient), '
-                                         f'not to mode "diloco": remove it or set acco.mode to "co2"')
+                                         f'not to mode "{self.mode}": remove it or set acco.mode to "co2"')
+            if self.mode != "edit" and ls is not None:
+                for key in EDIT_ONLY:
+                    if key in ls.model_fields_set:
+                        raise ValueError(f'acco.local_sgd.{key} is EDiT\'s pseudo-gradient penalty / A-EDiT timing: it '
+                                         f'applies to mode "edit", not to mode "{self.mode}": remove it or set '
+                                         f'acco.mode to "edit"')
+            if ls is not None and ls.sync_time_s is not None and "sync_every" in ls.model_fields_set:
+                raise ValueError("acco.local_sgd.sync_time_s (A-EDiT: periods end on wall time) and "
+                                 "acco.local_sgd.sync_every (periods of a fixed step count) exclude each other: "
+                                 "remove one of them")
         return self
 
     @model_validator(mode="after")
@@ -344,3 +311,8 @@ def checkpoint_mismatch(what: str, saved, now) -> ValueError:
     return ValueError(f"this ACCO checkpoint was saved with {what}={saved} but this run has {now}: its in-flight "
                       f"gradients are per rank and per round. Resume with {what}={saved}, or load only the module "
                       f"weights (load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")
+
+
+__all__ = ["ACCOConfig", "ACCOEmulationConfig", "LocalSGDConfig", "AnomalyConfig", "LOCAL_SGD_MODES", "ROUND_MODES",
+           "OUTER_DEFAULTS", "parse_acco_config", "check_before_initialize", "check_deepspeed_config",
+           "replica_group_size", "checkpoint_mismatch"]

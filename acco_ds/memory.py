@@ -49,7 +49,8 @@ def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtyp
 
 def outer_state_bytes(numel: int, group_size: int, mode: str) -> int:
     """Local-SGD modes: fp32 shards of the anchor and outer momentum (``co2``: also the period start and the
-    in-flight pseudo-gradient), plus the pseudo-gradient computed at a sync."""
+    in-flight pseudo-gradient), plus the pseudo-gradient computed at a sync (``edit`` keeps that one: its
+    outer step runs during the next forward)."""
     shards = 2 + (2 if mode == "co2" else 0) + 1
     return shards * 4 * numel // group_size
 
@@ -67,7 +68,7 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (default: the model dtype).
         communication_data_type: DeepSpeed's ``communication_data_type`` (default: the model dtype).
         mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``);
-            ``diloco``/``co2`` shard ZeRO-1 over a replica group of ``replica_group_size`` ranks (k) and add
+            ``diloco``/``co2``/``edit`` shard ZeRO-1 over a replica group of ``replica_group_size`` ranks (k) and add
             the outer state: 8N/k bytes (``co2``: 16N/k) plus 4N/k at a sync.
         budget_gb: printed beside the figures (fits / does not fit).
 
@@ -83,7 +84,7 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     b, a = _size(model_dt), _size(accum)
     padded = padded_numel(n, gpus)
     stock = b * padded + a * padded + 16 * padded // gpus  # fp32 master, Adam m and v, fp32 gradient partition
-    if mode in ("diloco", "co2"):
+    if mode in ("diloco", "co2", "edit"):
         k = replica_group_size or 1
         if gpus % k or k == gpus:
             raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--grad-accum-dtype", choices=list(DTYPES), default=None)
     p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
-    p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2"], default="acco")
-    p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2 (default 1)")
+    p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2", "edit"], default="acco")
+    p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2/edit (default 1)")
     p.add_argument("--budget-gb", type=float, default=80.0)
     args = p.parse_args(argv)
     estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,

@@ -67,10 +67,16 @@ MODES = {  # label -> train_worker.py flags
 PAIR_MODES = list(MODES)  # the 2-rank tables
 # The local-SGD family: replica groups of the ranks of one node (added by rank_commands: 1 in the 2-rank
 # layout, 2 in twonode), sync every H inner steps.
-for _m in ("diloco", "co2"):
+for _m in ("diloco", "co2", "edit"):
     for _h in (8, 32):
         MODES[f"{_m} H={_h}"] = ["--mode", _m, "--sync_every", str(_h)]
-TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32"]
+# EDiT's penalty (the spike table): anomaly elimination alone; all three parts (+ norm weighting, clip 1.0).
+MODES["edit H=8 +anomaly"] = MODES["edit H=8"] + ["--penalty", "anomaly"]
+MODES["edit H=8 +penalty"] = MODES["edit H=8"] + ["--penalty", "all"]
+# A-EDiT: a replica group syncs every 5 s of wall time (about 8 inner steps at 200 Mbit here).
+MODES["a-edit T=5s"] = ["--mode", "edit", "--sync_time_s", "5"]
+TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32",
+                 "edit H=8", "edit H=32", "a-edit T=5s"]
 LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)
 # twonode: a smaller step (4 ranks share 2 cores): micro-batch 4 x 128 tokens, 2 micro-batches per rank per step.
 TWONODE_MICRO_BS, TWONODE_GAS = 4, 2
@@ -103,7 +109,7 @@ def rank_commands(net, mode_flags, spec, out_json, port, layout="pair"):
     base = [sys.executable, str(TRAIN), "--deepspeed_config", str(ROOT / config), "--steps", str(spec["steps"]),
             "--warmup_steps", str(spec["warmup"]), "--eval_interval", str(spec["eval_interval"]), "--eval_batches",
             str(spec["eval_batches"]), "--results", str(out_json)] + mode_flags + list(spec.get("extra", []))
-    if "--sync_every" in mode_flags:
+    if "--sync_every" in mode_flags or "--sync_time_s" in mode_flags:
         base += ["--replica_group_size", str(per_node)]
     if layout == "twonode":
         base += ["--micro_batch", str(TWONODE_MICRO_BS), "--gas", str(TWONODE_GAS)]
@@ -362,9 +368,11 @@ def ideal_internode_bytes_per_step(n, mode):
     between 2 nodes: each sends half of its node's sum (2N) and gets the reduced half back (2N), 4N; an
     all-gather of the parameters: the other node's half, 2N. Stock ZeRO-1: 4N + 2N = 6N; ACCO: 2 rounds of
     (reduce-scatter 2N + all-gather 2N) = 8N; sync and DPU 4N; diloco and co2: one all-reduce of the model
-    (4N) per sync, every H inner steps: 4N / H."""
+    (4N) per sync, every H inner steps: 4N / H; edit the same; A-EDiT (T=) 4N per sync it measured (None here)."""
     if "H=" in mode:
-        return 4 * n / int(mode.split("H=")[1])
+        return 4 * n / int(mode.split("H=")[1].split()[0])
+    if "T=" in mode:
+        return None
     return optimal_bytes_per_step(n, mode)
 
 
@@ -380,7 +388,7 @@ def first_reach(history, target):
 def cmd_twonode(h):
     a = h.args
     spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
-            "tokens": a.tokens}
+            "tokens": a.tokens, "extra": a.extra.split() if a.extra else []}
     runs, failed = {}, {}
     for bw in a.bandwidths:
         for mode in a.modes:
@@ -408,7 +416,8 @@ def cmd_twonode(h):
                 lines.append(f"| {bw} | {mode} | failed (below) |" + " |" * 13)
                 continue
             row = r["_record"]["row"]
-            ideal = ideal_internode_bytes_per_step(n, mode) / 1e6
+            ideal = ideal_internode_bytes_per_step(n, mode)
+            ideal = (ideal if ideal is not None else 4 * n * (row.get("syncs") or 0) / max(row["steps"], 1)) / 1e6
             reach_a = first_reach(r["history"], target_a)
             reach_b = first_reach(r["history"], target_b) if target_b else None
             speed = r["measured_samples_per_s"] / stock["measured_samples_per_s"] if stock else None
@@ -858,7 +867,8 @@ def main():
                    help="pair: 2 ranks, one namespace each; twonode: 4 ranks as 2 nodes of 2 (the twonode command)")
     p.add_argument("--target", type=float, default=None,
                    help="twonode: target validation loss (default: the highest final loss of any row)")
-    p.add_argument("--extra", default="", help="`one`: extra train_worker.py flags")
+    p.add_argument("--extra", default="", help="`one`, `twonode`: extra train_worker.py flags for every run "
+                   "(e.g. \"--slow_rank 3 --slow_factor 2\": the heterogeneous table)")
     p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--results_dir", "--out", default=None,
                    help="where tables, run records and plots go (default benchmarks/results)")

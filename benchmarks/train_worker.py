@@ -8,8 +8,10 @@ measurement needs.
 What it adds to the example:
 
 * ``--mode`` / ``--accumulation`` override the config's acco block (``--mode zero1`` removes it:
-  stock DeepSpeed; ``--mode diloco|co2`` with ``--sync_every H --replica_group_size k`` the local-SGD
-  modes, ACCO-only keys dropped); ``--tokens`` sets the run's length as a token budget (the run stops at
+  stock DeepSpeed; ``--mode diloco|co2|edit`` with ``--sync_every H --replica_group_size k`` the local-SGD
+  modes, ACCO-only keys dropped; ``--mode edit --sync_time_s T`` A-EDiT (the run lasts ``--tokens``
+  counted from the step counts exchanged at each sync, or ``--until_syncs S``), which evaluates every
+  ``--eval_syncs`` syncs; ``--penalty`` EDiT's pseudo-gradient penalty); ``--tokens`` sets the run's length as a token budget (the run stops at
   the first committed step whose samples reach it, so adaptive steps of more micro-batches run fewer steps).
 * ``--warmup_steps``: the throughput figures (``measured_*``) leave the first steps out; the window
   runs from commit to commit, evaluations excluded.
@@ -24,6 +26,8 @@ What it adds to the example:
 * ``--slow_rank R --slow_factor F`` (benchmark only): rank R's micro-batches take F times as long. ACCO
   runs get the engine's ``acco.emulation`` block; stock DeepSpeed has none, so this loop sleeps
   (F - 1) x the micro-batch's compute time after its backward, the same way.
+* ``--spike_rank R --spike_from a --spike_steps n`` (benchmark only): rank R's replica trains on
+  shuffled labels for inner steps a .. a+n-1 (an adversarial period).
 * ``--results``: a JSON record (rank 0): throughput, losses and validation history, ACCO round
   figures, per-rank micro-batch counts, peak memory.
 """
@@ -76,11 +80,22 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="committed optimizer steps")
     parser.add_argument("--tokens", type=int, default=0,
                         help="stop after this many training tokens (overrides --steps)")
-    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1", "diloco", "co2"], default=None,
+    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1", "diloco", "co2", "edit"], default=None,
                         help="override the config's acco.mode; zero1 removes the acco block (stock DeepSpeed)")
     parser.add_argument("--accumulation", choices=["fixed", "adaptive"], default=None)
     parser.add_argument("--sync_every", type=int, default=None, help="diloco/co2: inner steps per period (H)")
     parser.add_argument("--replica_group_size", type=int, default=None, help="diloco/co2: ranks per replica (k)")
+    parser.add_argument("--sync_time_s", type=float, default=None,
+                        help="edit: A-EDiT, sync on wall time; the run lasts --tokens or --until_syncs syncs")
+    parser.add_argument("--until_syncs", type=int, default=None, help="A-EDiT: outer syncs to run")
+    parser.add_argument("--eval_syncs", type=int, default=2, help="A-EDiT: syncs between validations")
+    parser.add_argument("--penalty", choices=["none", "anomaly", "all"], default="none",
+                        help="edit: EDiT's pseudo-gradient penalty (anomaly: elimination only; all: anomaly "
+                             "elimination, norm weighting, clip of the average at 1.0)")
+    parser.add_argument("--spike_rank", type=int, default=-1,
+                        help="benchmark only: this rank's replica trains on shuffled labels for --spike_steps")
+    parser.add_argument("--spike_from", type=int, default=0, help="first inner step of the spike")
+    parser.add_argument("--spike_steps", type=int, default=0)
     parser.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     parser.add_argument("--n_layer", type=int, default=4)
@@ -116,14 +131,20 @@ def main():
             config["acco"]["accumulation"] = args.accumulation
         if args.slow_factor > 1:
             config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
-        if config["acco"].get("mode") in ("diloco", "co2"):
+        if config["acco"].get("mode") in ("diloco", "co2", "edit"):
             for key in ("accumulation", "max_micro_batches_per_round"):  # ACCO-only keys are rejected there
                 config["acco"].pop(key, None)
             local = config["acco"].setdefault("local_sgd", {})
             if args.sync_every:
                 local["sync_every"] = args.sync_every
+            if args.sync_time_s:
+                local["sync_time_s"] = args.sync_time_s
             if args.replica_group_size:
                 local["replica_group_size"] = args.replica_group_size
+            if args.penalty != "none":
+                local["anomaly"] = {"enabled": True, "warmup_syncs": 3}
+            if args.penalty == "all":
+                local.update(weighting="norm", pseudo_grad_clip=1.0)
     args.deepspeed_config = None  # the dict below is the config now
 
     torch.manual_seed(args.seed)
@@ -142,7 +163,18 @@ def main():
     steps = math.ceil(args.tokens / tokens_per_step) if args.tokens else args.steps
     samples_goal = math.ceil(args.tokens / args.block_size) if args.tokens else None
 
+    timed = args.sync_time_s is not None  # A-EDiT: replicas run different step counts, syncs agree
+
+    def samples():
+        """Samples trained so far over all replicas (A-EDiT: from the step counts exchanged at each sync)."""
+        if not timed:
+            return engine.global_samples
+        per_replica_step = micro_bs * gas * engine.optimizer.local_sgd.groups.k
+        return per_replica_step * sum(sum(h["steps"]) for h in engine.optimizer.local_sgd.edit.history)
+
     def done():
+        if timed:  # samples() moves only when a sync's step counts arrive, the same on every rank
+            return samples() >= samples_goal if samples_goal is not None else engine.acco_syncs >= args.until_syncs
         if samples_goal is not None:  # a token budget: adaptive steps hold more samples than tokens_per_step
             return engine.global_samples >= samples_goal
         return engine.global_steps >= steps
@@ -162,8 +194,13 @@ def main():
     warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
     run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
     end = warm
+    spiked = args.spike_steps and rank // (world // engine.optimizer.replicas) == args.spike_rank // (
+        world // engine.optimizer.replicas)
+    last_sync = 0
     while not done():
         x, y = train.get(micro)
+        if spiked and args.spike_from <= engine.global_steps < args.spike_from + args.spike_steps:
+            y = y.flatten()[torch.randperm(y.numel())].view_as(y)  # shuffled labels: an adversarial period
         before = engine.global_steps
         t0 = time.perf_counter()
         loss = engine(x.to(device), y.to(device))
@@ -175,20 +212,25 @@ def main():
         losses.append(loss.item())
         if engine.global_steps == before:
             continue
+        if timed and (engine.acco_syncs >= last_sync + args.eval_syncs or done()):  # its step counts come with it
+            engine.optimizer.local_sgd.wait_sync(read=True)
         # A step was committed: the module holds the new parameters.
         first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
         if first_after_warmup or done():
             # The measured window runs from commit to commit (a final evaluation, which waits for the round
             # already in flight and may commit it, stays outside).
             mark = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
-                    "samples": engine.global_samples, "stats": acco_totals(engine), "tx": link_tx_bytes()}
+                    "samples": samples(), "stats": acco_totals(engine), "tx": link_tx_bytes()}
             if first_after_warmup:
                 warm = mark
             end = mark
         elapsed = time.perf_counter() - start - eval_time
-        tokens = engine.global_samples * args.block_size
+        tokens = samples() * args.block_size
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
-        if engine.global_steps % args.eval_interval == 0 or done():
+        # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
+        if (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
+                engine.global_steps % args.eval_interval == 0) or done():
+            last_sync = engine.acco_syncs if timed else 0
             t0 = time.perf_counter()
             history.append({"step": engine.global_steps, "tokens": tokens, "time": elapsed,
                             "val_loss": evaluate(engine, val, args.eval_batches, device), "train_loss": train_loss})

@@ -31,6 +31,15 @@ def micro_batch(worker: int, i: int):
     return x, y
 
 
+def spiked_batch(worker: int, i: int, spike=None):
+    """``micro_batch``, with targets scaled by ``spike["scale"]`` on worker ``spike["worker"]`` for
+    micro-batches ``spike["from"] <= i < spike["to"]`` (an adversarial period for one replica)."""
+    x, y = micro_batch(worker, i)
+    if spike and worker == spike["worker"] and spike["from"] <= i < spike["to"]:
+        y = y * spike["scale"]
+    return x, y
+
+
 def loss_fn(model, batch):
     x, y = batch
     dtype = next(model.parameters()).dtype
@@ -84,6 +93,8 @@ def reference_optimizer(name, groups=False):
         if name == "Adam":
             return torch.optim.Adam(params, lr=ADAM["lr"], betas=ADAM["betas"], eps=ADAM["eps"],
                                     weight_decay=ADAM["weight_decay"])
+        if name == "plain SGD":  # no momentum: a pseudo-gradient's norm follows its gradients (EDiT tests)
+            return torch.optim.SGD(params, lr=0.05)
         if name == "SGD":
             return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
         raise ValueError(name)

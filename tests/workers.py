@@ -43,10 +43,15 @@ def flat(module):
     return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
 
 
+def read_weights(engine):
+    """What a user reads: ``module.state_dict()`` (the committed weights under ACCO), flattened."""
+    return torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()])
+
+
 def read_everything(engine, spec, rank, micro, out):
     """What users read mid-training: state_dict, an evaluation with a collective, a checkpoint."""
     import torch.distributed as dist
-    state = torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()])
+    state = read_weights(engine)
     seen = {"micro": micro, "global_steps": engine.global_steps, "state_dict": state}  # after the read commits
     engine.eval()
     with torch.no_grad():
@@ -102,13 +107,18 @@ def run(spec, rank, world):
 
     out = {"params": [], "norms": [], "losses": [], "applied": []}
     micro = 0
+    clock = {"t": 0.0} if spec.get("fake_clock") else None
+    if clock is not None:
+        engine.optimizer.local_sgd.set_clock(lambda: clock["t"])
     if spec.get("load"):
+        position = None
+        if spec.get("until_syncs"):  # A-EDiT: every rank consumed its own number of micro-batches
+            position = json.load(open(os.path.join(spec["load"], f"position{rank}.json")))
+            clock["t"] = position[1]  # before the load: it restarts the period timer from this clock
         _, client = engine.load_checkpoint(spec["load"])
-        micro = client["micro"]
+        micro = client["micro"] if position is None else position[0]
         spec["start_step"] = engine.global_steps
-        out["loaded"] = {"global_steps": engine.global_steps,  # what a user reads: the committed weights
-                         "params": torch.cat([t.detach().float().reshape(-1)
-                                              for t in engine.module.state_dict().values()])}
+        out["loaded"] = {"global_steps": engine.global_steps, "params": read_weights(engine)}
     target = spec["steps"]
     last = engine.global_steps
 
@@ -116,19 +126,21 @@ def run(spec, rank, world):
         nonlocal last
         # Pipeline: read the committed weights at every batch end (ACCO's compute weights may be an
         # estimate there); the read commits a finished step at once, so read before comparing steps.
-        seen = torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()]) \
-            if spec.get("pipe") else None
+        seen = read_weights(engine) if spec.get("pipe") else None
+        if getattr(getattr(engine, "optimizer", None), "local_sgd", None) is not None:
+            engine.optimizer.local_sgd.wait_sync()  # edit: the replica weights land during the next forward
         if engine.global_steps != last and len(out["params"]) < target - spec.get("start_step", 0):
             out["params"].append(seen if seen is not None else flat(engine.module))
             out["norms"].append(engine.get_global_grad_norm())
             if spec.get("record_committed"):  # what users read: the anchor in local-SGD modes
-                out.setdefault("committed", []).append(
-                    torch.cat([t.detach().float().reshape(-1) for t in engine.module.state_dict().values()]))
+                out.setdefault("committed", []).append(read_weights(engine))
         last = engine.global_steps
 
     def one_micro_batch():
         nonlocal micro
-        loss = common.loss_fn(engine, common.micro_batch(data_rank, micro))
+        if clock is not None:  # A-EDiT's injected clock: this rank's micro-batch costs fake_clock[rank] seconds
+            clock["t"] += spec["fake_clock"][rank]
+        loss = common.loss_fn(engine, common.spiked_batch(data_rank, micro, spec.get("spike")))
         if spec.get("raise_at_micro") == micro and spec.get("raise_rank") == rank:
             raise RuntimeError("deliberate failure on this rank")
         if spec.get("nan_at_micro") == micro and rank == 0:
@@ -157,7 +169,18 @@ def run(spec, rank, world):
             yield item
 
     batches = pipe_batches() if spec.get("pipe") else None
-    while engine.global_steps < target and micro < limit:
+    reached = None
+
+    def more():
+        nonlocal reached
+        if spec.get("until_syncs"):  # A-EDiT: replicas run different step counts; syncs agree
+            if engine.acco_syncs < spec["until_syncs"]:
+                return True
+            reached = micro if reached is None else reached  # then extra_micro more, mid-period
+            return micro - reached < spec.get("extra_micro", 0)
+        return engine.global_steps < target
+
+    while more() and micro < limit:
         if spec.get("pipe"):
             out["losses"].append(float(engine.train_batch(data_iter=batches)))
             record()
@@ -182,8 +205,7 @@ def run(spec, rank, world):
             out["applied"].append(engine.was_step_applied())
             engine.zero_grad()
             if spec.get("inspect"):  # what a user reads at an iteration boundary
-                seen = {"state_dict": torch.cat([t.detach().float().reshape(-1)
-                                                 for t in engine.module.state_dict().values()]).clone(),
+                seen = {"state_dict": read_weights(engine).clone(),
                         "global_steps": engine.global_steps}
                 engine.eval()
                 seen["eval"] = flat(engine.module)
@@ -193,6 +215,8 @@ def run(spec, rank, world):
                 out.setdefault("inspect", []).append(seen)
     if spec.get("save") and not spec.get("read_every"):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
+        if spec.get("until_syncs"):
+            json.dump([micro, clock and clock["t"]], open(os.path.join(spec["save"], f"position{rank}.json"), "w"))
         out["saved_global_steps"] = engine.global_steps
     if spec.get("finalize"):
         out["finalize_committed"] = engine.acco_finalize()

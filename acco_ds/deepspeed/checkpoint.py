@@ -80,9 +80,8 @@ def load_state(opt, acco: dict) -> None:
         buf.kept_scale = scale
     opt.kept.count, opt.kept.finite = int(acco["kept_count"]), bool(acco["kept_finite"])
     group = opt.comm.group
-    for i, (flat, saved) in enumerate(zip(opt.bit16_groups_flat, acco["compute_part"])):
-        _my_part(opt, flat, i).copy_(saved)
-        collectives.all_gather(flat, _my_part(opt, flat, i), group)
+    for flat, saved in zip(opt.bit16_groups_flat, acco["compute_part"]):
+        collectives.all_gather_part(flat, saved, opt.rank, group)
     if opt.local_sgd is not None:
         if acco.get("local_sgd") is None:
             raise ValueError("this checkpoint was saved without a local-SGD mode: its replicas have no anchor to "
@@ -91,10 +90,8 @@ def load_state(opt, acco: dict) -> None:
         opt.local_sgd.load_state_dict(acco["local_sgd"])
     opt.pending = result_from_dict(acco["pending"])
     if opt.pending is not None:
-        for i, (buf, saved) in enumerate(zip(opt.buffers, acco["pending_part"])):
-            out = buf.gathered_part(opt.rank)
-            out.copy_(saved)
-            collectives.all_gather(buf.gathered, out, group)
+        for buf, saved in zip(opt.buffers, acco["pending_part"]):
+            collectives.all_gather_part(buf.gathered, saved, opt.rank, group)
 
 
 # What a failed peer looks like from this rank: the communication thread's own wrapped error, or the

@@ -45,6 +45,7 @@ from ..config import check_deepspeed_config, parse_acco_config, replica_group_si
 from ..runtime.job import CommResult
 from . import checkpoint
 from .progress import _banner, _report_commit, _say
+from . import local_sgd
 from .local_sgd import make_groups
 from .zero1 import ACCOZeroOptimizer
 
@@ -72,6 +73,8 @@ class ACCOEngine(DeepSpeedEngine):
                              "initialize, and \"zero_optimization\": {\"stage\": 1}")
         if self.optimizer.local_sgd is not None:
             self.save_zero_checkpoint = True  # every replica's ranks hold their own optimizer state
+            if self.optimizer.local_sgd.edit is not None:
+                self.optimizer.local_sgd.edit.attach(self.module)  # forward waits per layer during a sync
         zc = self._config.zero_config
         if zc.overlap_comm:
             log_dist("ACCO: zero_optimization.overlap_comm is not used; ACCO overlaps communication with "
@@ -144,11 +147,8 @@ class ACCOEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------------ step
     def _take_model_step(self, lr_kwargs):
-        """Called by ``DeepSpeedEngine.step()`` at accumulation boundaries.
-
-        Updates already happened when their round ended (in backward); here
-        only ``was_step_applied()`` and the LR-scheduler arguments are settled.
-        """
+        """``DeepSpeedEngine.step()`` at accumulation boundaries: updates already happened when their round
+        ended (in backward); only ``was_step_applied()`` and the LR-scheduler arguments are settled here."""
         self.__dict__["_acco_lr_kwargs"] = lr_kwargs
         self._step_applied = self._acco_applied
         self.__dict__["_acco_applied"] = False
@@ -208,19 +208,23 @@ class ACCOEngine(DeepSpeedEngine):
 
     # --------------------------------------------------------- observability
     def acco_stats(self) -> dict:
-        """Per-round figures: totals of micro-batches, compute, communication
-        and waiting time, the fraction of communication hidden, the last
-        rounds, and the counters of the engine."""
+        """Per-round figures (micro-batches, compute, communication, waiting, the fraction hidden, the last
+        rounds), the local-SGD figures, and the engine's counters."""
         s = self.optimizer.round_stats()
         s.update(global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
         return s
 
+    @property
+    def acco_syncs(self) -> int:
+        """Local-SGD modes: outer syncs done, the same on every rank (A-EDiT's training loops end on it)."""
+        ls = self.optimizer.local_sgd
+        return ls.schedule.period if ls is not None else 0
+
     # ------------------------------------------------- committed weights
     @contextlib.contextmanager
     def acco_committed_weights(self):
-        """Within this block the module's parameters are the committed weights
-        θ_t (matching ``global_steps`` and the optimizer state), also in the
-        middle of a real round where the compute side works at the estimate."""
+        """Within this block the module's parameters are the committed weights θ_t (matching
+        ``global_steps`` and the optimizer state), also mid-round where the compute side has an estimate."""
         self._acco_show_committed()
         try:
             yield
@@ -235,6 +239,7 @@ class ACCOEngine(DeepSpeedEngine):
         self._acco_count_commits()
 
     def save_checkpoint(self, save_dir, *args, **kwargs):
+        local_sgd.before_save(self, args, kwargs)  # A-EDiT: a tag every rank agrees on, each replica's counters
         with self.acco_committed_weights(), checkpoint.save_errors(save_dir):
             return super().save_checkpoint(save_dir, *args, **kwargs)
 
@@ -244,6 +249,7 @@ class ACCOEngine(DeepSpeedEngine):
             self._acco_align_rounds()  # the in-flight job must be one every rank submitted
         with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None)):
             out = super().load_checkpoint(load_dir, *args, **kwargs)
+        local_sgd.after_load(self)
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports
         # that step as applied at its next step(), so the resumed run does too.
         pending = self.optimizer.pending
@@ -266,10 +272,9 @@ class ACCOEngine(DeepSpeedEngine):
 
     # ------------------------------------------------------------- lifecycle
     def acco_finalize(self) -> bool:
-        """Commit the step whose gradients are complete and install the
-        committed weights: after N iterations, N optimizer steps. Training may
-        go on afterwards; it restarts with a start-up round. Returns whether a
-        step was committed."""
+        """Commit the step whose gradients are complete and install the committed weights: after N
+        iterations, N optimizer steps (local-SGD: the last sync). Training may go on afterwards; it restarts
+        with a start-up round. Returns whether a step was committed."""
         self.__dict__["_acco_eval_view"] = False
         opt = self.optimizer
         opt.view.restore()

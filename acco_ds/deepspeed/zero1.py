@@ -151,9 +151,10 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         return out
 
     def finish_round(self) -> Optional[CommResult]:
-        """End the current round: wait for its communication (sync: run it) and
-        install the gathered parameters as the compute parameters."""
+        """End the current round: wait for its communication (sync: run it), install what it gathered."""
         self.view.restore()
+        if self.local_sgd is not None:
+            self.local_sgd.wait_sync()  # edit: the layer-wise sync uses the inner thread's group
         rnd = self.schedule.current
         self._handed_next = (self.local_micro, self.round_scale)
         result = None
@@ -205,16 +206,15 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     # ------------------------------------------------- what users read
     def drain(self) -> None:
-        """Wait for the in-flight communication (its parameters are installed
-        when the round ends)."""
+        """Wait for the in-flight communication (its parameters are installed when the round ends)."""
+        if self.local_sgd is not None:
+            self.local_sgd.wait_sync(read=True)
         if self.comm.busy:
             self.pending = self._collect()
 
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
-        """After ``drain()``: the flat buffers that hold the committed
-        weights, when the compute parameters hold something else (an
-        estimate, or the iterate before a finished commit); None when the
-        compute parameters are the committed weights."""
+        """After ``drain()``: the flat buffers that hold the committed weights, when the compute parameters
+        hold something else (an estimate, the iterate before a finished commit, a replica); else None."""
         if self.local_sgd is not None:
             return self.local_sgd.anchor_flats()  # the last global model
         if self.pending is not None and self.pending.commits:
@@ -222,8 +222,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         return None
 
     def show_committed(self) -> None:
-        """Point the module's parameters at the committed weights (no copy)
-        until ``view.restore()``; nests."""
+        """Point the module's parameters at the committed weights (no copy) until ``view.restore()``; nests."""
         self.drain()
         self.view.show(self.committed_flats() if self.view.depth == 0 else None)  # nested: the outer read shows
 
@@ -265,8 +264,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
-        if self.comm.busy:
-            self.comm.wait()
+        self.drain()
         self.view.restore()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,

@@ -22,7 +22,7 @@ optimal.
 import torch
 import torch.distributed as tdist
 
-__all__ = ["reduce_scatter", "all_gather", "DEFAULT_CHUNK_ELEMS"]
+__all__ = ["reduce_scatter", "all_gather", "all_gather_part", "DEFAULT_CHUNK_ELEMS"]
 
 # torch >= 2.13 may rename the flat-tensor collectives; keep working on either name.
 _native_reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
@@ -136,3 +136,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     ``output`` (in-place all-gather); that works on gloo and NCCL. Returns
     torch's work handle with ``async_op=True``, else ``None``."""
     return _native_all_gather(output, input, group=group, async_op=async_op)
+
+
+def all_gather_part(output: torch.Tensor, part: torch.Tensor, rank: int, group=None) -> None:
+    """Write ``part`` into this rank's slot of the flat ``output`` (slot ``rank``, ``part.numel()``
+    elements) and gather every other rank's slot into ``output``, in place."""
+    mine = output.narrow(0, rank * part.numel(), part.numel())
+    mine.copy_(part)
+    all_gather(output, mine, group)

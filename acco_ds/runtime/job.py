@@ -33,9 +33,8 @@ import torch.distributed as tdist
 
 from ..algorithms.rounds import COMMIT, Round
 from . import collectives
-from .update import clip_coefficient
+from .update import clip_coefficient, squared_norm
 
-NORM_CHUNK = 1 << 16  # elements per float64 norm chunk (512 KiB temporary)
 
 
 @dataclass
@@ -56,7 +55,6 @@ class CommResult:
     worker_micro: List[int]  # per rank, of the newly reduced part
     grad_norm: float  # norm of the mean gradient, before clipping (nan/inf if non-finite)
     finite: bool  # the update was applied (False: skipped, parameters unchanged)
-    new_overflow: bool  # the newly reduced part had non-finite values
     overflow_scale: float = math.inf  # smallest loss scale at which a part of the gradient was non-finite
     comm_s: float = 0.0
     phases: Phases = field(default_factory=Phases)
@@ -178,8 +176,7 @@ class RoundJob:
             overflow_scale = min(overflow_scale, self.kept.overflow_scale)
         if self.rnd.keep_shard:
             self.kept.count, self.kept.finite, self.kept.overflow_scale = total, finite, overflow_scale
-        return CommResult(self.rnd.index, self.rnd.comm, total, worker_micro, norm, finite, new_overflow,
-                          overflow_scale)
+        return CommResult(self.rnd.index, self.rnd.comm, total, worker_micro, norm, finite, overflow_scale)
 
     def all_gather(self) -> None:
         for buf, out in zip(self.buffers, self.outputs()):
@@ -190,16 +187,7 @@ class RoundJob:
         return [buf.gathered_part(self.rank) for buf in self.buffers]
 
     def _squared_norm(self) -> float:
-        """Sum of squares of the fp32 shards, accumulated in float64 chunk by chunk: a float64 copy of a
-        whole shard would add 8N/W bytes to the peak."""
-        total = 0.0
-        for i, buf in enumerate(self.buffers):
-            segments = [(0, buf.shard.numel())] if self.norm_segments is None else self.norm_segments[i]
-            for begin, length in segments:
-                for start in range(begin, begin + length, NORM_CHUNK):
-                    part = buf.shard[start:min(start + NORM_CHUNK, begin + length)]
-                    total += float(torch.linalg.vector_norm(part, dtype=torch.float64)**2)
-        return total
+        return squared_norm([buf.shard for buf in self.buffers], self.norm_segments)
 
 
 def result_from_dict(d: Optional[dict]) -> Optional[CommResult]:
@@ -207,7 +195,8 @@ def result_from_dict(d: Optional[dict]) -> Optional[CommResult]:
     if d is None:
         return None
     d = dict(d)
-    d.pop("accounted", None)  # checkpoints of acco_ds <= 0.1 carried this flag
+    for old in ("accounted", "new_overflow"):  # fields of acco_ds 0.1 checkpoints, no longer kept
+        d.pop(old, None)
     phases = d.pop("phases", None) or {}
     return CommResult(**d, phases=Phases(**phases))
 

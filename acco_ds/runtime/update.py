@@ -17,6 +17,22 @@ from typing import List, Optional
 import torch
 
 
+NORM_CHUNK = 1 << 16  # elements per float64 norm chunk (512 KiB temporary)
+
+
+def squared_norm(shards: List[torch.Tensor], segments: Optional[list] = None) -> float:
+    """Sum of squares of fp32 shards (of the ``(begin, length)`` segments of each, if given), accumulated
+    in float64 chunk by chunk: a float64 copy of a whole shard would add 8N/W bytes to the peak."""
+    # Summed on the device, in the same order: one host sync per norm, not one per chunk.
+    total = torch.zeros((), dtype=torch.float64, device=shards[0].device)
+    for i, shard in enumerate(shards):
+        for begin, length in ([(0, shard.numel())] if segments is None else segments[i]):
+            for start in range(begin, begin + length, NORM_CHUNK):
+                part = shard[start:min(start + NORM_CHUNK, begin + length)]
+                total += torch.linalg.vector_norm(part, dtype=torch.float64)**2
+    return float(total)
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """DeepSpeed ZeRO's clipping rule: divide by max(1, (norm + 1e-6) / max_norm)."""
     if max_norm <= 0:

@@ -180,8 +180,12 @@ def simulate_local_sgd(mode: str,
                        momentum_clip: Optional[float] = None,
                        lr_lambda: Optional[Callable] = None,
                        clip: float = 0.0,
+                       weighting: str = "mean",
+                       pseudo_grad_clip: Optional[float] = None,
+                       anomaly: Optional[dict] = None,
+                       period_steps: Optional[List[List[int]]] = None,
                        dtype: torch.dtype = torch.float64) -> dict:
-    """``diloco`` / ``co2`` (DESIGN.md section 7) with ``R = world_size / group_size`` replicas.
+    """``diloco`` / ``co2`` / ``edit`` (DESIGN.md section 7) with ``R = world_size / group_size`` replicas.
 
     Replica ``g`` is the ranks ``g*k .. g*k+k-1``; each of its inner steps is
     one full-batch step of its own optimizer on the ``k * gas`` micro-batches
@@ -192,7 +196,13 @@ def simulate_local_sgd(mode: str,
         co2:     δ_i = s_i − θ_i;  if a mean is in flight: x = Outer(x, it);  θ_i = s_i = x − δ_i;
                  the mean of this δ is in flight until the next sync
 
-    Returns ``{"replicas": [[θ_g after inner step t] per step] per replica, "anchor": [x after step t]}``.
+        edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``_edit_mean``)
+
+    ``period_steps`` (A-EDiT, ``edit`` only): period p runs ``period_steps[p][g]`` inner steps on
+    replica g, then syncs with ``w_g`` proportional to those steps; ``steps``/``sync_every`` are unused.
+
+    Returns ``{"replicas": [[θ_g after inner step t] per step] per replica, "anchor": [x after step t]}``
+    (A-EDiT: ``anchor`` holds x after each sync, and ``flags`` the anomalous replicas of every sync).
     """
     k, R = group_size, world_size // group_size
     per_step = gradient_accumulation_steps
@@ -239,11 +249,37 @@ def simulate_local_sgd(mode: str,
         with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input
             vector_to_parameters(value.to(dtype).clone(), params[g])
 
+    out["flags"] = []
+    detector = _Detector(R, **anomaly) if anomaly else None
+
+    def edit_sync(steps_done):
+        deltas = [x - theta(g) for g in range(R)]
+        norms = torch.stack([d.norm() for d in deltas])
+        flags = detector.observe(norms.tolist()) if detector else [False] * R
+        out["flags"].append(flags)
+        outer(_edit_mean(deltas, norms, flags, weighting, steps_done, pseudo_grad_clip))
+        for g in range(R):
+            set_replica(g, x)
+
+    if period_steps is not None:  # A-EDiT: periods of unequal step counts
+        for counts in period_steps:
+            for g in range(R):
+                for _ in range(counts[g]):
+                    inner_step(g)
+                    out["replicas"][g].append(theta(g))
+            edit_sync(counts)
+            for g in range(R):  # a period's last inner step is recorded after its sync, as in step mode
+                out["replicas"][g][-1] = theta(g)
+            out["anchor"].append(x.clone())
+        return out
+
     for step in range(1, steps + 1):
         for g in range(R):
             inner_step(g)
         if step % sync_every == 0:
-            if mode == "diloco":
+            if mode == "edit":
+                edit_sync(None)
+            elif mode == "diloco":
                 outer(torch.stack([x - theta(g) for g in range(R)]).mean(0))
                 for g in range(R):
                     set_replica(g, x)
@@ -261,3 +297,45 @@ def simulate_local_sgd(mode: str,
             out["replicas"][g].append(theta(g))
         out["anchor"].append(x.clone())
     return out
+
+
+def _edit_mean(deltas, norms, flags, weighting, steps, clip):
+    """EDiT's penalised average: kept replicas weighted by softmax(−‖δ‖) ("norm") or equally ("mean"),
+    times their inner steps (A-EDiT), normalised; then the clip of the average's norm."""
+    keep = torch.tensor([0.0 if f else 1.0 for f in flags], dtype=norms.dtype)
+    w = keep * (torch.exp(-norms) if weighting == "norm" else torch.ones_like(norms))
+    if steps is not None:
+        w = w * torch.tensor(steps, dtype=norms.dtype)
+    w = w / w.sum() if w.sum() > 0 else w
+    mean = sum(wi * d for wi, d in zip(w, deltas))
+    if clip is not None:
+        mean = mean * min(1.0, clip / (float(mean.norm()) + 1e-6))
+    return mean
+
+
+class _Detector:
+    """Per-replica z-score test: plain mean/variance over the first ``warmup_syncs`` kept norms, then
+    exponentially weighted; anomalous norms are not added (written apart from ``algorithms.penalty``)."""
+
+    def __init__(self, replicas, ewma_alpha, warmup_syncs, threshold):
+        self.alpha, self.warmup, self.threshold = ewma_alpha, max(warmup_syncs, 2), threshold
+        self.seen = [[] for _ in range(replicas)]
+        self.mean, self.var = [0.0] * replicas, [0.0] * replicas
+
+    def observe(self, norms):
+        flags = []
+        for i, n in enumerate(norms):
+            hist = self.seen[i]
+            bad = len(hist) >= self.warmup and (n - self.mean[i]) > self.threshold * self.var[i] ** 0.5
+            flags.append(bad)
+            if bad:
+                continue
+            hist.append(n)
+            if len(hist) <= self.warmup:
+                t = torch.tensor(hist, dtype=torch.float64)
+                self.mean[i], self.var[i] = float(t.mean()), float(t.var(unbiased=False))
+            else:
+                d = n - self.mean[i]
+                self.mean[i] += self.alpha * d
+                self.var[i] = (1 - self.alpha) * (self.var[i] + self.alpha * d * d)
+        return flags

@@ -6,7 +6,6 @@ otherwise; a PipelineModule with ACCO enabled is refused; unpatch() restores sto
 """
 
 import json
-import os
 import sys
 from datetime import timedelta
 

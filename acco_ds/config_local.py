@@ -1,0 +1,96 @@
+"""The ``"acco": {"local_sgd": {...}}`` block: the local-SGD family's settings (DiLoCo, CO2, EDiT).
+
+Kept apart from ``acco_ds.config`` (which re-exports every name here) so each module stays readable;
+``ACCOConfig``'s validators check how these keys combine with ``acco.mode``.
+"""
+
+from typing import Literal, Optional
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, StrictBool
+
+
+class _Documented(DeepSpeedConfigModel):
+    """A config model whose field docstrings become the fields' descriptions."""
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+LOCAL_SGD_MODES = ("diloco", "co2", "edit")
+ROUND_MODES = ("acco", "dpu", "sync")
+
+# Outer-optimizer defaults per mode (DiLoCo's paper; CO2's released code).
+OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
+                  "co2": {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False},
+                  "edit": {"outer_lr": 0.7, "outer_momentum": 0.8, "nesterov": True}}
+EDIT_ONLY = ("sync_time_s", "pseudo_grad_clip", "weighting", "anomaly")
+
+
+class AnomalyConfig(_Documented):
+    """``edit`` only: EDiT's anomaly elimination. Each replica's pseudo-gradient norm is tracked (plain
+    mean and variance over the first ``warmup_syncs`` syncs, then exponentially weighted); a replica
+    whose norm's z-score exceeds ``threshold`` contributes zero that period."""
+
+    enabled: StrictBool = False
+    """Drop anomalous replicas from the average (they still restart from the new global model)."""
+
+    ewma_alpha: float = Field(0.02, gt=0.0, le=1.0, allow_inf_nan=False)
+    """Weight of the newest norm in the exponentially weighted mean and variance."""
+
+    warmup_syncs: int = Field(10, ge=2)
+    """Syncs that only gather statistics before any replica can be flagged."""
+
+    threshold: float = Field(3.0, gt=0.0, allow_inf_nan=False)
+    """z-score above which a replica's norm is anomalous."""
+
+
+class LocalSGDConfig(_Documented):
+    """The local-SGD family (DiLoCo, CO2, EDiT): replicas train alone for ``sync_every``
+    inner steps, then their pseudo-gradients are averaged into an outer step."""
+
+    sync_every: int = Field(20, ge=1)
+    """Inner steps per period (H): a replica syncs with the others every this many optimizer steps."""
+
+    sync_time_s: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``edit`` only: A-EDiT. A replica group syncs once this many seconds of wall time passed since the
+    last sync, whatever its step count; each replica's pseudo-gradient is weighted by its inner steps in
+    the period. ``sync_every`` must then be left out. End the training loop on the sync count
+    (``engine.acco_syncs``), which every rank agrees on, not on a step count."""
+
+    pseudo_grad_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``edit`` only: clip the averaged pseudo-gradient to this global norm, ``δ̄ · min(1, c / (‖δ̄‖ + 1e-6))``."""
+
+    weighting: Literal["mean", "norm"] = "mean"
+    """``edit`` only: ``mean`` averages the replicas; ``norm`` weights replica i by softmax(−‖δ‖)_i."""
+
+    anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig)
+    """``edit`` only: anomaly elimination, see ``AnomalyConfig``."""
+
+    replica_group_size: Optional[int] = Field(None, ge=1)
+    """Ranks per replica group (k); inside a group every inner step is ZeRO-1 over the group's links.
+    ``"auto"`` (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
+    world size and leave at least two replicas."""
+
+    outer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """Outer learning rate (η; α in CO2). Default: 0.7 in ``diloco`` and ``edit``, 1.0 in ``co2``."""
+
+    outer_momentum: Optional[float] = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    """Outer momentum (μ; β in CO2). Default: 0.9 in ``diloco``, 0.8 in ``edit``, 0.5 in ``co2``."""
+
+    nesterov: Optional[StrictBool] = None
+    """Nesterov outer momentum (torch's SGD). Default: true in ``diloco`` and ``edit``, false (heavy ball) in ``co2``."""
+
+    staleness_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``co2`` only: λ, the pseudo-gradient enters the momentum as δ̄/λ (default 1)."""
+
+    outer_momentum_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``co2`` only: clamp the outer momentum element-wise to [-c, c] (default: no clipping)."""
+
+    def resolved(self, mode: str) -> dict:
+        """The outer settings of ``mode``, defaults filled in."""
+        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in OUTER_DEFAULTS[mode].items()}
+        out["staleness_penalty"] = self.staleness_penalty if self.staleness_penalty is not None else 1.0
+        out["outer_momentum_clip"] = self.outer_momentum_clip
+        return out
+
+
+__all__ = ["LocalSGDConfig", "AnomalyConfig", "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY"]

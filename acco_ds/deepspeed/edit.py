@@ -1,0 +1,151 @@
+"""EDiT's sync on ACCO's ZeRO-1: staleness zero, overlapped with the next forward pass.
+
+At a sync point the compute side computes this replica's pseudo-gradient
+``δ = x − θ`` (anchor minus master shard) and hands the rest to the outer
+communication thread, which
+
+1. sums ``‖δ‖²`` over the replica group and exchanges every replica's norm,
+   inner-step count and period time across the outer group (one small
+   all-reduce);
+2. turns them into the weights of ``algorithms.penalty`` (anomaly
+   elimination, norm weighting, A-EDiT's step weighting) and scales ``δ``;
+3. chunk by chunk, in forward order (``runtime.layerwise``): all-reduces the
+   chunk across replicas, applies the outer step to the anchor, copies it to
+   the master shard, all-gathers it into the replica's bit16 parameters, and
+   releases the chunk to the forward pre-hooks waiting for it.
+
+With ``pseudo_grad_clip`` the outer step needs ``‖δ̄‖`` over the whole model,
+so every chunk is reduced before the first is applied (less overlap).
+
+The thread uses the outer group's side copy and the replica group's side copy;
+the latter belongs to the inner communication thread, which is idle until the
+sync is collected (``ACCOZeroOptimizer.finish_round`` waits for it first).
+"""
+
+import math
+import time
+from typing import Callable, List
+
+import torch
+import torch.distributed as tdist
+
+from ..algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
+from ..runtime.layerwise import ChunkGate, chunk_bounds, last_chunk
+from ..runtime.update import squared_norm
+
+
+class LayerwiseSync:
+    """One rank's part of EDiT's outer step.
+
+    Args:
+        opt: the ``ACCOZeroOptimizer`` of this rank's replica group.
+        groups: ``local_sgd.ReplicaGroups``.
+        settings: ``LocalSGDConfig``.
+        worker: the outer ``CommWorker`` (its group is ``groups.outer_side``).
+    """
+
+    def __init__(self, opt, groups, settings, worker):
+        self.opt, self.groups, self.worker = opt, groups, worker
+        self.weighting, self.clip, self.timed = settings.weighting, settings.pseudo_grad_clip, settings.sync_time_s
+        a = settings.anomaly
+        self.detector = AnomalyDetector(groups.replicas, a.ewma_alpha, a.warmup_syncs, a.threshold) \
+            if a.enabled else None
+        self.partition = [int(p) for p in opt.partition_size]
+        self.chunks = [(i, lo, hi) for i, P in enumerate(self.partition) for lo, hi in chunk_bounds(P)]
+        self.gate = ChunkGate(len(self.chunks), torch.device(opt.device).type == "cuda", on_failure=worker.wait)
+        self.delta = [torch.empty_like(m) for m in opt.single_partition_of_fp32_groups]
+        self.anomalies = 0  # replica-periods left out of the average
+        self.history: List[dict] = []  # per sync: norms, weights, anomalous, steps, elapsed (small)
+        self._handles = []
+
+    # ------------------------------------------------------------ compute side
+    def attach(self, module: torch.nn.Module) -> None:
+        """Forward pre-hooks: a module waits for the chunks that hold its own parameters."""
+        first, where = 0, {}
+        for i, (params, offsets) in enumerate(zip(self.opt.round_robin_bit16_groups,
+                                                  self.opt.round_robin_bit16_offsets)):
+            bounds = [(lo, hi) for g, lo, hi in self.chunks if g == i]
+            for p, off in zip(params, offsets):
+                where[id(p)] = first + last_chunk(off, p.numel(), self.partition[i], bounds)
+            first += len(bounds)
+        self._handles = self.gate.install_hooks(module, where)
+
+    @torch.no_grad()
+    def start(self, anchor, momentum, steps: int, elapsed: float, outer: Callable) -> None:
+        """Compute δ and submit the sync; returns at once."""
+        for d, x, m in zip(self.delta, anchor, self.opt.single_partition_of_fp32_groups):
+            torch.sub(x, m, out=d)
+        self.gate.arm()
+        self.worker.submit(lambda: self._job(anchor, momentum, steps, elapsed, outer))
+
+    def record(self, info: dict) -> None:
+        self.anomalies += sum(info["anomalous"])
+        self.history.append({k: v for k, v in info.items() if k != "seconds"})
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -------------------------------------------------------- communication side
+    def _job(self, anchor, momentum, steps, elapsed, outer) -> dict:
+        t0 = time.perf_counter()
+        try:
+            g = self.groups
+            R, me = g.replicas, g.replica
+            info = torch.zeros(3 * R, dtype=torch.float64, device=self.delta[0].device)
+            info[me] = self._replica_sum(squared_norm(self.delta))
+            info[R + me], info[2 * R + me] = steps, elapsed
+            tdist.all_reduce(info, group=g.outer_side)
+            values = info.tolist()
+            norms = [math.sqrt(v) for v in values[:R]]
+            anomalous = self.detector.observe(norms) if self.detector is not None else [False] * R
+            weights = replica_weights(norms, weighting=self.weighting, steps=values[R:2 * R] if self.timed else None,
+                                      anomalous=anomalous)
+            for d in self.delta:
+                d.mul_(weights[me])
+            mean_norm = None  # ‖δ̄‖, taken only to clip it
+            if self.clip is None:  # pipelined: each chunk is installed as soon as it is reduced
+                for c in range(len(self.chunks)):
+                    self._reduce(c)
+                    self._install(c, anchor, momentum, outer, 1.0)
+            else:
+                for c in range(len(self.chunks)):
+                    self._reduce(c)
+                mean_norm = math.sqrt(self._replica_sum(squared_norm(self.delta)))
+                for c in range(len(self.chunks)):
+                    self._install(c, anchor, momentum, outer, clip_scale(mean_norm, self.clip))
+            return {"norms": norms, "anomalous": anomalous, "weights": weights, "steps": values[R:2 * R],
+                    "elapsed": values[2 * R:], "mean_norm": mean_norm, "seconds": time.perf_counter() - t0}
+        except BaseException:
+            self.gate.fail()
+            raise
+
+    def _replica_sum(self, value: float) -> float:
+        if self.groups.k == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.delta[0].device)
+        tdist.all_reduce(t, group=self.groups.replica_side)
+        return float(t)
+
+    def _reduce(self, c: int) -> None:
+        i, lo, hi = self.chunks[c]
+        tdist.all_reduce(self.delta[i][lo:hi], group=self.groups.outer_side)
+
+    def _install(self, c: int, anchor, momentum, outer: Callable, scale: float) -> None:
+        i, lo, hi = self.chunks[c]
+        d = self.delta[i][lo:hi]
+        if scale != 1.0:
+            d.mul_(scale)
+        x = anchor[i][lo:hi]
+        outer(x, momentum[i][lo:hi], d)
+        self.opt.single_partition_of_fp32_groups[i][lo:hi].copy_(x)
+        flat, P, k = self.opt.bit16_groups_flat[i], self.partition[i], self.groups.k
+        parts = [flat[r * P + lo:r * P + hi] for r in range(k)]
+        parts[self.groups.shard].copy_(x)
+        if k > 1:
+            tdist.all_gather(parts, parts[self.groups.shard].clone(), group=self.groups.replica_side)
+        self.gate.release(c)
+
+
+__all__ = ["LayerwiseSync"]
