@@ -34,7 +34,7 @@ class ACCOEmulationConfig(_Documented):
     starts, on every rank (emulates a slow network)."""
 
     slow_rank: int = -1
-    """Data-parallel rank whose compute is slowed (-1: none)."""
+    """Global rank whose compute is slowed (-1: none)."""
 
     slow_factor: float = Field(1.0, ge=1.0, allow_inf_nan=False)
     """On ``slow_rank``, every micro-batch takes this many times as long: after
@@ -112,7 +112,8 @@ class ACCOConfig(_Documented):
     def _check_local_sgd(self):
         if self.local_sgd is not None and not self.local:
             raise ValueError(f'acco.local_sgd configures the local-SGD modes ({", ".join(LOCAL_SGD_MODES)}) but '
-                             f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"/"edit"')
+                             f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"/'
+                             f'"edit"')
         if self.local:
             acco_only = [k for k in ("accumulation", "max_micro_batches_per_round") if k in self.model_fields_set]
             if acco_only:

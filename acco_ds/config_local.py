@@ -57,7 +57,8 @@ class LocalSGDConfig(_Documented):
     (``engine.acco_syncs``), which every rank agrees on, not on a step count."""
 
     pseudo_grad_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    """``edit`` only: clip the averaged pseudo-gradient to this global norm, ``δ̄ · min(1, c / (‖δ̄‖ + 1e-6))``."""
+    """``edit`` only: clip the averaged pseudo-gradient to this global norm,
+    ``δ̄ · min(1, c / (‖δ̄‖ + 1e-6))``."""
 
     weighting: Literal["mean", "norm"] = "mean"
     """``edit`` only: ``mean`` averages the replicas; ``norm`` weights replica i by softmax(−‖δ‖)_i."""
@@ -77,7 +78,8 @@ class LocalSGDConfig(_Documented):
     """Outer momentum (μ; β in CO2). Default: 0.9 in ``diloco``, 0.8 in ``edit``, 0.5 in ``co2``."""
 
     nesterov: Optional[StrictBool] = None
-    """Nesterov outer momentum (torch's SGD). Default: true in ``diloco`` and ``edit``, false (heavy ball) in ``co2``."""
+    """Nesterov outer momentum (torch's SGD). Default: true in ``diloco`` and ``edit``, false (heavy
+    ball) in ``co2``."""
 
     staleness_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     """``co2`` only: λ, the pseudo-gradient enters the momentum as δ̄/λ (default 1)."""

@@ -212,8 +212,13 @@ def main():
         losses.append(loss.item())
         if engine.global_steps == before:
             continue
-        if timed and (engine.acco_syncs >= last_sync + args.eval_syncs or done()):  # its step counts come with it
-            engine.optimizer.local_sgd.wait_sync(read=True)
+        # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
+        eval_due = (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
+                    engine.global_steps % args.eval_interval == 0) or done()
+        if eval_due and getattr(engine.optimizer, "local_sgd", None) is not None:
+            # edit's sync may still be in flight: finish it inside the timed window (it is training work, and
+            # A-EDiT's step counts come with it), not inside the evaluation's excluded time.
+            engine.optimizer.local_sgd.wait_sync()
         # A step was committed: the module holds the new parameters.
         first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
         if first_after_warmup or done():
@@ -227,9 +232,7 @@ def main():
         elapsed = time.perf_counter() - start - eval_time
         tokens = samples() * args.block_size
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
-        # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
-        if (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
-                engine.global_steps % args.eval_interval == 0) or done():
+        if eval_due:
             last_sync = engine.acco_syncs if timed else 0
             t0 = time.perf_counter()
             history.append({"step": engine.global_steps, "tokens": tokens, "time": elapsed,

@@ -145,7 +145,8 @@ CASES = [({}, 0.0), ({"anomaly": ANOMALY}, 0.0), ({"weighting": "norm"}, 0.0), (
                                                        "pseudo_grad_clip": 0.02}, 0.0)])])
 def test_edit_matches_the_simulator_with_each_penalty_option(world, k, cases):
     runs = [dict(config=common.ds_config(acco=local(k, **ls), gas=GAS, clip=clip, optimizer=None,
-                                         zero_allow_untested_optimizer=True), client_optimizer=INNER, steps=STEPS, record_committed=True, spike=SPIKE) for ls, clip in cases]
+                                         zero_allow_untested_optimizer=True),
+                 client_optimizer=INNER, steps=STEPS, record_committed=True, spike=SPIKE) for ls, clip in cases]
     results = launch({"runs": runs}, world_size=world, timeout=500)
     for i, (ls, clip) in enumerate(cases):
         ref = reference(world, k, clip=clip, spike=SPIKE, **ls)

@@ -23,6 +23,7 @@ sync is collected (``ACCOZeroOptimizer.finish_round`` waits for it first).
 """
 
 import math
+import sys
 import time
 from typing import Callable, List
 
@@ -32,6 +33,9 @@ import torch.distributed as tdist
 from ..algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
 from ..runtime.layerwise import ChunkGate, chunk_bounds, last_chunk
 from ..runtime.update import squared_norm
+
+
+SWITCH_INTERVAL_S = 2e-4
 
 
 class LayerwiseSync:
@@ -57,6 +61,7 @@ class LayerwiseSync:
         self.anomalies = 0  # replica-periods left out of the average
         self.history: List[dict] = []  # per sync: norms, weights, anomalous, steps, elapsed (small)
         self._handles = []
+        self._switch = sys.getswitchinterval()
 
     # ------------------------------------------------------------ compute side
     def attach(self, module: torch.nn.Module) -> None:
@@ -76,13 +81,20 @@ class LayerwiseSync:
         for d, x, m in zip(self.delta, anchor, self.opt.single_partition_of_fp32_groups):
             torch.sub(x, m, out=d)
         self.gate.arm()
+        # The sync thread takes the GIL between its many small steps while the forward pass runs Python:
+        # a shorter switch interval than CPython's 5 ms keeps it from waiting that long each time.
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
         self.worker.submit(lambda: self._job(anchor, momentum, steps, elapsed, outer))
 
     def record(self, info: dict) -> None:
+        """After the sync was collected (compute side)."""
+        sys.setswitchinterval(self._switch)
         self.anomalies += sum(info["anomalous"])
         self.history.append({k: v for k, v in info.items() if k != "seconds"})
 
     def close(self) -> None:
+        sys.setswitchinterval(self._switch)
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -124,6 +124,10 @@ class LocalSGD:
         self._elapsed = elapsed
         return elapsed >= self.sync_time_s
 
+    def waited_s(self) -> float:
+        """Seconds the compute side has waited for outer communication so far (edit: hooks included)."""
+        return self.outer_wait_s + (self.edit.gate.waited_s if self.edit is not None else 0.0)
+
     def wait_sync(self, read: bool = False) -> None:
         """edit: wait for the layer-wise sync in flight (the next inner step and every read need it).
         ``read``: a read (state_dict, eval, save) collects it; its time then counts as neither hidden nor
@@ -222,7 +226,8 @@ class LocalSGD:
         extra = {} if self.edit is None else {
             "anomalies": self.edit.anomalies, "sync_history": self.edit.history, "read_syncs": self.read_syncs,
             "max_sync_wait_s": self.max_sync_wait if self.schedule.timed else None}
-        return {**extra, "syncs": self.schedule.period, "sync_every": self.schedule.sync_every, "replicas": self.groups.replicas,
+        return {**extra, "syncs": self.schedule.period, "sync_every": self.schedule.sync_every,
+                "replicas": self.groups.replicas,
                 "replica_group_size": self.groups.k, "outer_comm_s": comm, "outer_wait_s": wait,
                 "outer_hidden_fraction": max(0.0, 1.0 - wait / comm) if comm > 0 else None}
 

@@ -9,7 +9,8 @@ from ..runtime.job import CommResult
 def _banner(acco, opt) -> str:
     """The one start-up line rank 0 prints."""
     extra = opt.buffer_bytes()["total"]
-    line = (f"ACCO engine: mode={acco.mode} accumulation={acco.accumulation} "
+    timed = opt.local_sgd is not None and opt.local_sgd.schedule.timed
+    line = (f"ACCO engine: mode={acco.mode}{' (A-EDiT)' if timed else ''} accumulation={acco.accumulation} "
             f"micro-batches/round={opt.schedule.min_micro}"
             f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
             f"world_size={opt.world_size} model={dtype_name(opt.dtype)} "
@@ -18,7 +19,9 @@ def _banner(acco, opt) -> str:
             f"extra buffers={extra / 2**20:.1f} MiB/rank")
     if opt.local_sgd is not None:
         g = opt.local_sgd.groups
-        line += f" replicas={g.replicas}x{g.k} sync_every={opt.local_sgd.schedule.sync_every}"
+        ls = opt.local_sgd
+        period = f"sync_time_s={ls.sync_time_s:g}" if ls.schedule.timed else f"sync_every={ls.schedule.sync_every}"
+        line += f" replicas={g.replicas}x{g.k} {period}"
     return line
 
 

@@ -129,11 +129,13 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def count_micro_batch(self) -> None:
         """After a backward: count the micro-batch (its gradients are already in the accumulator)."""
         self.local_micro += 1
-        em = self.acco.emulation
-        now = time.perf_counter()
-        if em.slow_rank == self.rank and em.slow_factor > 1.0 and self._last_backward_end is not None:
-            time.sleep((em.slow_factor - 1.0) * (now - self._last_backward_end))  # benchmark emulation only
-        self._last_backward_end = time.perf_counter()
+        em, now = self.acco.emulation, time.perf_counter()
+        # Benchmark emulation only: stretch the compute since the last backward, not the local-SGD waits.
+        waited = self.local_sgd.waited_s() if self.local_sgd is not None else 0.0
+        if em.slow_rank == tdist.get_rank() and em.slow_factor > 1.0 and self._last_backward_end is not None:
+            then, waited_then = self._last_backward_end
+            time.sleep((em.slow_factor - 1.0) * (now - then - (waited - waited_then)))
+        self._last_backward_end = (time.perf_counter(), waited)
 
     def round_may_end(self) -> bool:
         return self.schedule.may_end(self.local_micro, self.pending is not None or self.comm.done())
