@@ -125,7 +125,7 @@ def test_adaptive_accumulation_absorbs_slow_communication_and_unequal_workers():
     assert r["stats"]["accumulation"] == "adaptive"
 
 
-@pytest.mark.parametrize("launch_index", range(5))
+@pytest.mark.parametrize("launch_index", range(3))  # one per communication delay
 def test_adaptive_reads_mid_training_never_deadlock(tmp_path, launch_index):
     """Adaptive accumulation, rank 1 slower: state_dict, eval with an all-reduce and save_checkpoint every
     3 micro-batches, then the end of training. Ranks end rounds on their own, so a read must first align

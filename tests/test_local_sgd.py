@@ -56,30 +56,32 @@ def test_diloco_and_co2_match_the_simulator(world, k):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["diloco", "co2"])
-def test_resume_is_exact_from_any_inner_step_and_finalize_leaves_one_model(tmp_path, mode):
-    """Save mid-period (co2: an all-reduce in flight) and right at a sync; fresh processes load and go on:
-    bit-identical to the uninterrupted run. The end of training syncs every replica onto one model."""
-    cfg = common.ds_config(acco=local(mode, 1), gas=GAS, clip=0.05)
-    full = launch({"runs": [dict(config=cfg, steps=STEPS, record_committed=True, finalize=True)]}, world_size=2,
-                  timeout=300)
-    saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (3, 4)}  # inner steps done at the save
-    launch({"runs": [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]},
-           world_size=2, timeout=300)
-    resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path, record_committed=True)
-                               for path in saves.values()]}, world_size=2, timeout=300)
+def test_resume_is_exact_from_any_inner_step_and_finalize_leaves_one_model(tmp_path):
+    """For diloco and co2 (one launch each step, a run per mode): save mid-period (co2: an all-reduce in
+    flight) and right at a sync; fresh processes load and go on: bit-identical to the uninterrupted run.
+    The end of training syncs every replica onto one model."""
+    modes = ["diloco", "co2"]
+    cfgs = {mode: common.ds_config(acco=local(mode, 1), gas=GAS, clip=0.05) for mode in modes}
+    full = launch({"runs": [dict(config=cfgs[m], steps=STEPS, record_committed=True, finalize=True) for m in modes]},
+                  world_size=2, timeout=300)
+    saves = {(m, stop): str(tmp_path / f"ckpt_{m}{stop}") for m in modes for stop in (3, 4)}  # steps at the save
+    launch({"runs": [dict(config=cfgs[m], steps=100, max_micro=GAS * stop, save=path)
+                     for (m, stop), path in saves.items()]}, world_size=2, timeout=300)
+    resumed = launch({"runs": [dict(config=cfgs[m], steps=STEPS, load=path, record_committed=True)
+                               for (m, _), path in saves.items()]}, world_size=2, timeout=300)
     for rank in range(2):
-        for stop, r in zip(saves, resumed[rank]):
-            want = full[rank][0]
+        for ((mode, stop), _), r in zip(saves.items(), resumed[rank]):
+            want = full[rank][modes.index(mode)]
             assert r["loaded"]["global_steps"] == stop
             assert torch.equal(r["loaded"]["params"], want["committed"][stop - 1]), "checkpoint holds another anchor"
             for got, expect in zip(r["params"], want["params"][stop:]):
-                assert torch.equal(got, expect), (stop, (got - expect).abs().max())
+                assert torch.equal(got, expect), (mode, stop, (got - expect).abs().max())
             for got, expect in zip(r["committed"], want["committed"][stop:]):
                 assert torch.equal(got, expect)
-    finals = [full[rank][0]["final_params"] for rank in range(2)]
-    assert torch.equal(finals[0], finals[1]), "replicas did not end on one model"
-    assert not torch.equal(full[0][0]["params"][-1], full[1][0]["params"][-1]) or mode == "diloco"
+    for i, mode in enumerate(modes):
+        finals = [full[rank][i]["final_params"] for rank in range(2)]
+        assert torch.equal(finals[0], finals[1]), f"{mode}: replicas did not end on one model"
+    assert not torch.equal(full[0][1]["params"][-1], full[1][1]["params"][-1]), "co2 replicas never differed"
 
 
 @pytest.mark.parametrize("local_sgd, world, needle", [
