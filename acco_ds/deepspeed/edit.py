@@ -125,8 +125,9 @@ class LayerwiseSync:
                 for c in range(len(self.chunks)):
                     self._reduce(c)
                 mean_norm = math.sqrt(self._replica_sum(squared_norm(self.delta)))
+                scale = clip_scale(mean_norm, self.clip)
                 for c in range(len(self.chunks)):
-                    self._install(c, anchor, momentum, outer, clip_scale(mean_norm, self.clip))
+                    self._install(c, anchor, momentum, outer, scale)
             return {"norms": norms, "anomalous": anomalous, "weights": weights, "steps": values[R:2 * R],
                     "elapsed": values[2 * R:], "mean_norm": mean_norm, "seconds": time.perf_counter() - t0}
         except BaseException:

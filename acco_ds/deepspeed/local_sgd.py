@@ -153,7 +153,7 @@ class LocalSGD:
         if self.edit is not None:
             self.wait_sync()
             self._submitted_at = self.clock()
-            self.edit.start(self.anchor, self.momentum, sync.steps, self._elapsed, self._outer_chunk)
+            self.edit.start(self.anchor, self.momentum, sync.steps, self._elapsed, self._outer_one)
             return
         masters = self.opt.single_partition_of_fp32_groups
         starts = self.start if self.start is not None else self.anchor
@@ -180,14 +180,14 @@ class LocalSGD:
         self._install(new)
 
     def _outer(self, mean_deltas) -> None:
-        st = self.settings
         for x, m, d in zip(self.anchor, self.momentum, mean_deltas):
-            outer_step(x, m, d, lr=st["outer_lr"], momentum=st["outer_momentum"], nesterov=st["nesterov"],
-                       staleness_penalty=st["staleness_penalty"], momentum_clip=st["outer_momentum_clip"])
+            self._outer_one(x, m, d)
 
-    def _outer_chunk(self, x, m, mean_delta) -> None:
+    def _outer_one(self, x, m, mean_delta) -> None:
+        """The outer step on one shard (edit: on one chunk of it)."""
         st = self.settings
-        outer_step(x, m, mean_delta, lr=st["outer_lr"], momentum=st["outer_momentum"], nesterov=st["nesterov"])
+        outer_step(x, m, mean_delta, lr=st["outer_lr"], momentum=st["outer_momentum"], nesterov=st["nesterov"],
+                   staleness_penalty=st["staleness_penalty"], momentum_clip=st["outer_momentum_clip"])
 
     def _average(self, tensors, group) -> float:
         """Average ``tensors`` in place across the replicas (the outer group); returns the seconds it took."""

@@ -129,13 +129,9 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def count_micro_batch(self) -> None:
         """After a backward: count the micro-batch (its gradients are already in the accumulator)."""
         self.local_micro += 1
-        em, now = self.acco.emulation, time.perf_counter()
-        # Benchmark emulation only: stretch the compute since the last backward, not the local-SGD waits.
-        waited = self.local_sgd.waited_s() if self.local_sgd is not None else 0.0
-        if em.slow_rank == tdist.get_rank() and em.slow_factor > 1.0 and self._last_backward_end is not None:
-            then, waited_then = self._last_backward_end
-            time.sleep((em.slow_factor - 1.0) * (now - then - (waited - waited_then)))
-        self._last_backward_end = (time.perf_counter(), waited)
+        em = self.acco.emulation
+        if em.slow_factor > 1.0 and em.slow_rank == tdist.get_rank():  # benchmark emulation only
+            _slow_down(self, em.slow_factor)
 
     def round_may_end(self) -> bool:
         return self.schedule.may_end(self.local_micro, self.pending is not None or self.comm.done())
@@ -266,7 +262,10 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
-        self.drain()
+        if self.local_sgd is not None:
+            self.local_sgd.wait_sync(read=True)
+        if self.comm.busy:
+            self.comm.wait()  # the in-flight job belongs to the state being replaced: its result is dropped
         self.view.restore()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
@@ -299,6 +298,16 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""
         return allocated_bytes(self.buffers)
+
+
+def _slow_down(opt, factor: float) -> None:
+    """Emulate a slow worker: stretch the compute since the last backward by ``factor``, leaving out the
+    time spent waiting for local-SGD communication."""
+    now, waited = time.perf_counter(), opt.local_sgd.waited_s() if opt.local_sgd is not None else 0.0
+    if opt._last_backward_end is not None:
+        then, waited_then = opt._last_backward_end
+        time.sleep((factor - 1.0) * (now - then - (waited - waited_then)))
+    opt._last_backward_end = (time.perf_counter(), waited)
 
 
 def _account_loss_scale(opt, rnd, result: CommResult) -> None:
