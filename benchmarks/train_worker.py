@@ -173,11 +173,11 @@ def main():
         return per_replica_step * sum(sum(h["steps"]) for h in engine.optimizer.local_sgd.edit.history)
 
     def done():
-        if timed:  # samples() moves only when a sync's step counts arrive, the same on every rank
-            return samples() >= samples_goal if samples_goal is not None else engine.acco_syncs >= args.until_syncs
-        if samples_goal is not None:  # a token budget: adaptive steps hold more samples than tokens_per_step
-            return engine.global_samples >= samples_goal
-        return engine.global_steps >= steps
+        # A token budget: adaptive steps hold more samples than tokens_per_step; A-EDiT's samples() moves
+        # only when a sync's step counts arrive, the same on every rank.
+        if samples_goal is not None:
+            return samples() >= samples_goal
+        return engine.acco_syncs >= args.until_syncs if timed else engine.global_steps >= steps
     label = run_label(config)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -212,16 +212,18 @@ def main():
         losses.append(loss.item())
         if engine.global_steps == before:
             continue
+        finished = done()
         # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
         eval_due = (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
-                    engine.global_steps % args.eval_interval == 0) or done()
+                    engine.global_steps % args.eval_interval == 0) or finished
         if eval_due and getattr(engine.optimizer, "local_sgd", None) is not None:
             # edit's sync may still be in flight: finish it inside the timed window (it is training work, and
             # A-EDiT's step counts come with it), not inside the evaluation's excluded time.
             engine.optimizer.local_sgd.wait_sync()
+            finished = done()  # A-EDiT: the sync's step counts may complete the budget
         # A step was committed: the module holds the new parameters.
         first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps
-        if first_after_warmup or done():
+        if first_after_warmup or finished:
             # The measured window runs from commit to commit (a final evaluation, which waits for the round
             # already in flight and may commit it, stays outside).
             mark = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
