@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, StrictBool, ValidationError, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, AnomalyConfig,
                            LocalSGDConfig, _Documented)
@@ -33,7 +33,7 @@ class ACCOEmulationConfig(_Documented):
     """Extra seconds the communication side sleeps in every round before it
     starts, on every rank (emulates a slow network)."""
 
-    slow_rank: int = -1
+    slow_rank: StrictInt = -1
     """Global rank whose compute is slowed (-1: none)."""
 
     slow_factor: float = Field(1.0, ge=1.0, allow_inf_nan=False)
@@ -78,7 +78,7 @@ class ACCOConfig(_Documented):
     reduced with its gradients, so the gradient stays the exact mean over all
     micro-batches."""
 
-    max_micro_batches_per_round: Optional[int] = Field(None, ge=1)
+    max_micro_batches_per_round: Optional[StrictInt] = Field(None, ge=1)
     """Upper bound of micro-batches per round in ``adaptive`` accumulation.
     Default: 4 x the minimum."""
 
@@ -205,7 +205,9 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
                 known = ", ".join(ACCOConfig.model_fields)
                 lines.append(f'unknown key "{key}" (misspelled?). Known keys: {known}')
             else:
-                hint = ": write true or false (a JSON boolean)" if e["type"].startswith("bool") else ""
+                hint = (": write true or false (a JSON boolean)" if e["type"].startswith("bool") else
+                        ": write a whole number such as 4 (a JSON integer, not a string, a float or a boolean)"
+                        if e["type"].startswith("int") else "")
                 lines.append(f'"{key}": {e["msg"]} (got {e.get("input")!r}){hint}')
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
 

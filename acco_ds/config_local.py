@@ -7,7 +7,7 @@ Kept apart from ``acco_ds.config`` (which re-exports every name here) so each mo
 from typing import Literal, Optional
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, StrictBool
+from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
 
 class _Documented(DeepSpeedConfigModel):
@@ -36,7 +36,7 @@ class AnomalyConfig(_Documented):
     ewma_alpha: float = Field(0.02, gt=0.0, le=1.0, allow_inf_nan=False)
     """Weight of the newest norm in the exponentially weighted mean and variance."""
 
-    warmup_syncs: int = Field(10, ge=2)
+    warmup_syncs: StrictInt = Field(10, ge=2)
     """Syncs that only gather statistics before any replica can be flagged."""
 
     threshold: float = Field(3.0, gt=0.0, allow_inf_nan=False)
@@ -47,7 +47,7 @@ class LocalSGDConfig(_Documented):
     """The local-SGD family (DiLoCo, CO2, EDiT): replicas train alone for ``sync_every``
     inner steps, then their pseudo-gradients are averaged into an outer step."""
 
-    sync_every: int = Field(20, ge=1)
+    sync_every: StrictInt = Field(20, ge=1)
     """Inner steps per period (H): a replica syncs with the others every this many optimizer steps."""
 
     sync_time_s: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
@@ -66,7 +66,7 @@ class LocalSGDConfig(_Documented):
     anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig)
     """``edit`` only: anomaly elimination, see ``AnomalyConfig``."""
 
-    replica_group_size: Optional[int] = Field(None, ge=1)
+    replica_group_size: Optional[StrictInt] = Field(None, ge=1)
     """Ranks per replica group (k); inside a group every inner step is ZeRO-1 over the group's links.
     ``"auto"`` (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
     world size and leave at least two replicas."""

@@ -169,8 +169,8 @@ def main():
         """Samples trained so far over all replicas (A-EDiT: from the step counts exchanged at each sync)."""
         if not timed:
             return engine.global_samples
-        per_replica_step = micro_bs * gas * engine.optimizer.local_sgd.groups.k
-        return per_replica_step * sum(sum(h["steps"]) for h in engine.optimizer.local_sgd.edit.history)
+        outer = engine.optimizer.outer.stats()
+        return micro_bs * gas * outer["replica_group_size"] * sum(sum(h["steps"]) for h in outer["sync_history"])
 
     def done():
         # A token budget: adaptive steps hold more samples than tokens_per_step; A-EDiT's samples() moves
@@ -216,10 +216,10 @@ def main():
         # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
         eval_due = (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
                     engine.global_steps % args.eval_interval == 0) or finished
-        if eval_due and getattr(engine.optimizer, "local_sgd", None) is not None:
+        if eval_due and hasattr(engine.optimizer, "outer"):
             # edit's sync may still be in flight: finish it inside the timed window (it is training work, and
             # A-EDiT's step counts come with it), not inside the evaluation's excluded time.
-            engine.optimizer.local_sgd.wait_sync()
+            engine.optimizer.outer.wait()
             finished = done()  # A-EDiT: the sync's step counts may complete the budget
         # A step was committed: the module holds the new parameters.
         first_after_warmup = args.warmup_steps and warm["step"] == 0 and engine.global_steps >= args.warmup_steps

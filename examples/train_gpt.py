@@ -142,11 +142,14 @@ def evaluate(engine, batches, n_batches, device):
 
 
 def run_label(config):
-    """"acco/fixed", "dpu/adaptive", ... or "stock ZeRO-1" (no "acco" block: plain DeepSpeed)."""
+    """"acco/fixed", "dpu/adaptive", "diloco", "edit (A-EDiT)" ... or "stock ZeRO-1" (plain DeepSpeed)."""
     acco = config.get("acco", {})
     if not acco.get("enabled"):
         return "stock ZeRO-1"
-    return acco.get("mode", "acco") + "/" + acco.get("accumulation", "fixed")
+    mode = acco.get("mode", "acco")
+    if mode in ("diloco", "co2", "edit"):  # the local-SGD family: replicas synced every period
+        return mode + (" (A-EDiT)" if "sync_time_s" in acco.get("local_sgd", {}) else "")
+    return mode + "/" + acco.get("accumulation", "fixed")
 
 
 def gather_counts(value, device):
@@ -158,8 +161,8 @@ def gather_counts(value, device):
 
 
 def print_summary(label, world, device, steps, tokens, seconds, first_val_loss, val_loss, train_loss, acco=None):
-    """The block the quickstart prints (rank 0); ``acco``: ``engine.acco_stats()`` plus
-    ``micro_batches_per_rank``."""
+    """The block the quickstart prints (rank 0); ``acco``: the mode's own lines (``engine.acco_report()``)
+    and the micro-batches each rank trained on."""
     print("\n==== summary ====")
     print(f"run            : {label} on {world} ranks ({device})")
     print(f"steps / tokens : {steps} / {tokens:,}")
@@ -168,18 +171,16 @@ def print_summary(label, world, device, steps, tokens, seconds, first_val_loss, 
     print(f"val loss       : {first_val_loss:.3f} -> {val_loss:.3f} (train {train_loss:.3f}; ln(256) = "
           f"{math.log(256):.3f} is chance)")
     if acco is not None:
-        hidden = "n/a" if acco["hidden_comm_fraction"] is None else f"{100 * acco['hidden_comm_fraction']:.0f}%"
-        print(f"ACCO rounds    : {acco['rounds']} rounds, {acco['mean_micro_per_round']:.2f} micro-batches/round, "
-              f"communication {acco['comm_s']:.2f} s of which {hidden} hidden behind compute "
-              f"(compute waited {acco['wait_s']:.2f} s)")
-        print(f"micro-batches  : per rank {acco['micro_batches_per_rank']}; kernels={acco['kernels']}, "
-              f"update={acco['optimizer_update']}")
+        for name, text in acco["lines"]:
+            print(f"{name:<15}: {text}")
+        print(f"micro-batches  : per rank {acco['micro_batches_per_rank']}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--syncs", type=int, default=6, help="A-EDiT only: outer syncs to train for")
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_head", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
@@ -210,19 +211,27 @@ def main():
     val = Batches(data[split:], args.block_size, micro_bs, seed=args.seed)
     tokens_per_step = micro_bs * gas * world * args.block_size
     label = run_label(config)
+    # A-EDiT syncs on wall time: replicas run different step counts, so the loop counts syncs, which every
+    # rank agrees on (a loop on global_steps would leave ranks waiting for each other's collectives).
+    timed = label.endswith("(A-EDiT)")
+    target = args.syncs if timed else args.steps
+
+    def progress():
+        return engine.acco_syncs if timed else engine.global_steps
+
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"GPT {n_params / 1e6:.2f}M params | {label} | {world} ranks | micro-batch {micro_bs} x "
-              f"{gas} accumulation | {tokens_per_step} tokens/step | {args.steps} steps | corpus "
+              f"{gas} accumulation | {tokens_per_step} tokens/step | {target} {'syncs' if timed else 'steps'} | corpus "
               f"{len(data) / 1e6:.1f}MB of stdlib source", flush=True)
 
     first_val_loss = val_loss = evaluate(engine, val, args.eval_batches, device)
-    bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True) if rank == 0 else None
+    bar = tqdm(total=target, unit="sync" if timed else "step", dynamic_ncols=True) if rank == 0 else None
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
-    while engine.global_steps < args.steps:
+    while progress() < target:
         x, y = train.get(micro)
-        before = engine.global_steps
+        before, done_before = engine.global_steps, progress()
         loss = engine(x.to(device), y.to(device))
         engine.backward(loss)  # with ACCO, a round may end here and commit a step
         engine.step()
@@ -233,24 +242,27 @@ def main():
         # A step was committed: the module holds the new parameters.
         elapsed = time.perf_counter() - start - eval_time  # training time, evaluations left out
         train_loss = sum(losses[-2 * gas:]) / len(losses[-2 * gas:])
-        if engine.global_steps % args.eval_interval == 0 or engine.global_steps == args.steps:
+        done = progress()
+        if done != done_before and (done % args.eval_interval == 0 or done == target or timed):
             t0 = time.perf_counter()
             val_loss = evaluate(engine, val, args.eval_batches, device)
             eval_time += time.perf_counter() - t0
         if bar is not None:
-            bar.update(1)
+            bar.update(done - done_before)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{engine.global_steps * tokens_per_step / elapsed:,.0f}")
     if bar is not None:
         bar.close()
 
     # Summary
-    acco = None
-    if hasattr(engine, "acco_stats"):  # an ACCO engine: per-round figures (the "acco" block was enabled)
-        acco = engine.acco_stats()
-        acco["micro_batches_per_rank"] = gather_counts(micro, device)
+    acco, micro_per_rank = None, gather_counts(micro, device)
+    if hasattr(engine, "acco_report"):  # an ACCO engine (the "acco" block was enabled): the mode's own lines
+        acco = {"lines": engine.acco_report(), "micro_batches_per_rank": micro_per_rank}
+    # Tokens of the committed steps; A-EDiT's replicas ran different step counts: every micro-batch trained.
+    tokens = (sum(micro_per_rank) * micro_bs * args.block_size if timed else
+              engine.global_steps * tokens_per_step)
     if rank == 0:
-        print_summary(label, world, device, engine.global_steps, engine.global_steps * tokens_per_step, elapsed,
-                      first_val_loss, val_loss, train_loss, acco)
+        print_summary(label, world, device, engine.global_steps, tokens, elapsed, first_val_loss, val_loss,
+                      train_loss, acco)
     engine.destroy()
 
 

@@ -118,3 +118,53 @@ def test_config_from_args_deepspeed_config(tmp_path):
     with pytest.raises(ValueError, match="must be even"):
         acco_ds.initialize(args=types.SimpleNamespace(deepspeed_config=str(path), local_rank=0), model=model,
                            model_parameters=model.parameters())
+
+
+def _integer_keys(model, prefix="acco", block=None):
+    """Every integer key of the "acco" block (nested blocks included), with a block that reaches it."""
+    import typing
+
+    from pydantic import BaseModel
+    block = {} if block is None else block
+    for name, field in model.model_fields.items():
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested:
+            yield from _integer_keys(nested[0], f"{prefix}.{name}", block)
+        elif int in kinds or any(typing.get_origin(k) is typing.Annotated and int in typing.get_args(k)
+                                 for k in kinds):
+            yield f"{prefix}.{name}"
+
+
+def _block_with(path: str, value) -> dict:
+    """An "acco" block whose key ``path`` is ``value``, in a mode where that key applies."""
+    parts = path.split(".")[1:]
+    mode = "edit" if parts[0] == "local_sgd" else "acco"
+    block = {"enabled": True, "mode": mode}
+    if parts == ["max_micro_batches_per_round"]:
+        block["accumulation"] = "adaptive"
+    node = block
+    for key in parts[:-1]:
+        node = node.setdefault(key, {})
+    node[parts[-1]] = value
+    return block
+
+
+INTEGER_KEYS = sorted(_integer_keys(ACCOConfig))
+
+
+def test_the_integer_keys_are_found():
+    assert {"acco.max_micro_batches_per_round", "acco.local_sgd.sync_every", "acco.local_sgd.replica_group_size",
+            "acco.local_sgd.anomaly.warmup_syncs", "acco.emulation.slow_rank"} <= set(INTEGER_KEYS), INTEGER_KEYS
+
+
+@pytest.mark.parametrize("path", INTEGER_KEYS)
+@pytest.mark.parametrize("value", [True, "4", 2.0])
+def test_integer_keys_take_json_integers_only(path, value):
+    """``"sync_every": true`` once trained with H = 1: a boolean, a string or a float is refused by name."""
+    with pytest.raises(ValueError) as err:
+        parse_acco_config({"acco": _block_with(path, value)})
+    message = str(err.value)
+    assert f'"{path}": Input should be a valid integer (got {value!r})' in message, message
+    assert "a JSON integer, not a string, a float or a boolean" in message
+    parse_acco_config({"acco": _block_with(path, 4)})  # the same key with a JSON integer is accepted

@@ -54,19 +54,25 @@ def ds_config(tmp_path, acco=True):
 
 
 def test_patch_is_idempotent_and_reversible():
+    import importlib
+
     import deepspeed
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     autopatched = acco_ds.is_patched()  # the startup hook patched this process's deepspeed
     acco_ds.unpatch()
-    original = deepspeed.initialize
+    original, original_shm = deepspeed.initialize, ds_torch.build_shm_op
+    assert not getattr(original_shm, "_acco_guarded", False), "unpatch() left DeepSpeed's build_shm_op wrapped"
     try:
         acco_ds.patch()
         patched = deepspeed.initialize
         acco_ds.patch()
         assert deepspeed.initialize is patched and patched is not original and acco_ds.is_patched()
         assert patched.__wrapped__ is original
+        assert ds_torch.build_shm_op.__wrapped__ is original_shm  # patch() guards DeepSpeed's op build
     finally:
         acco_ds.unpatch()
     assert deepspeed.initialize is original and not acco_ds.is_patched()
+    assert ds_torch.build_shm_op is original_shm  # everything patch() changed is restored
     acco_ds.unpatch()  # harmless twice
     if autopatched:
         acco_ds.patch()

@@ -62,7 +62,7 @@ def read_everything(engine, spec, rank, micro, out):
     if spec.get("save") and len(out.setdefault("reads", [])) == spec.get("save_at_read", 0):
         engine.save_checkpoint(spec["save"], client_state={"micro": micro})
         seen["saved"] = True
-    out["reads"].append(seen)
+    out.setdefault("reads", []).append(seen)
 
 
 def run(spec, rank, world):
@@ -109,7 +109,7 @@ def run(spec, rank, world):
     micro = 0
     clock = {"t": 0.0} if spec.get("fake_clock") else None
     if clock is not None:
-        engine.optimizer.local_sgd.set_clock(lambda: clock["t"])
+        engine.optimizer.outer.set_clock(lambda: clock["t"])
     if spec.get("load"):
         position = None
         if spec.get("until_syncs"):  # A-EDiT: every rank consumed its own number of micro-batches
@@ -127,8 +127,8 @@ def run(spec, rank, world):
         # Pipeline: read the committed weights at every batch end (ACCO's compute weights may be an
         # estimate there); the read commits a finished step at once, so read before comparing steps.
         seen = read_weights(engine) if spec.get("pipe") else None
-        if getattr(getattr(engine, "optimizer", None), "local_sgd", None) is not None:
-            engine.optimizer.local_sgd.wait_sync()  # edit: the replica weights land during the next forward
+        if hasattr(engine, "optimizer") and hasattr(engine.optimizer, "outer"):
+            engine.optimizer.outer.wait()  # edit: the replica weights land during the next forward
         if engine.global_steps != last and len(out["params"]) < target - spec.get("start_step", 0):
             out["params"].append(seen if seen is not None else flat(engine.module))
             out["norms"].append(engine.get_global_grad_norm())
@@ -246,9 +246,16 @@ def main():
     spec = json.load(open(sys.argv[1]))
     outdir = sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    audit = None
+    if spec.get("device_audit"):  # would every collective of acco_ds be valid on NCCL? (tests/device_audit.py)
+        import device_audit
+        audit = device_audit.install()
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec.get("pg_timeout", 60)))
     results = [run(dict(spec, **r), rank, world) for r in spec.get("runs", [{}])]
+    if audit is not None:
+        audit.uninstall()
+        results.append({"device_audit": audit.report()})
     torch.save(results, os.path.join(outdir, f"result{rank}.pt"))
 
 

@@ -45,7 +45,8 @@ def save_state(opt) -> dict:
         "pending": asdict(pending) if pending is not None else None,
         "pending_part": [_my_part(opt, b.gathered, i).clone() for i, b in enumerate(opt.buffers)]
         if pending is not None else None,
-        "local_sgd": opt.local_sgd.state_dict() if opt.local_sgd is not None else None,
+        "outer": opt.outer.state_dict(),
+        "host_counters": opt.host_counters,
     }
 
 
@@ -82,12 +83,9 @@ def load_state(opt, acco: dict) -> None:
     group = opt.comm.group
     for flat, saved in zip(opt.bit16_groups_flat, acco["compute_part"]):
         collectives.all_gather_part(flat, saved, opt.rank, group)
-    if opt.local_sgd is not None:
-        if acco.get("local_sgd") is None:
-            raise ValueError("this checkpoint was saved without a local-SGD mode: its replicas have no anchor to "
-                             "resume from. Load only the module weights (load_checkpoint(..., "
-                             "load_optimizer_states=False, load_lr_scheduler_states=False))")
-        opt.local_sgd.load_state_dict(acco["local_sgd"])
+    outer = acco.get("outer", acco.get("local_sgd"))  # "local_sgd": the key before the outer-loop interface
+    opt.outer.load_state_dict(outer)
+    opt.host_counters = acco.get("host_counters", (outer or {}).get("counters"))
     opt.pending = result_from_dict(acco["pending"])
     if opt.pending is not None:
         for buf, saved in zip(opt.buffers, acco["pending_part"]):

@@ -43,10 +43,9 @@ from deepspeed.utils import log_dist, logger
 from ..algorithms.rounds import COMMIT
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.job import CommResult
+from ..runtime.outer_loop import make_groups, needs_replicas
 from . import checkpoint
-from .progress import _banner, _report_commit, _say
-from . import local_sgd
-from .local_sgd import make_groups
+from .progress import _banner, _report_commit, _say, report_lines
 from .zero1 import ACCOZeroOptimizer
 
 
@@ -71,10 +70,9 @@ class ACCOEngine(DeepSpeedEngine):
             raise ValueError("ACCO needs an optimizer and ZeRO stage 1 (got optimizer "
                              f"{type(self.optimizer).__name__}): set \"optimizer\" in the config or pass one to "
                              "initialize, and \"zero_optimization\": {\"stage\": 1}")
-        if self.optimizer.local_sgd is not None:
+        if self.optimizer.outer.replica_ranks is not None:
             self.save_zero_checkpoint = True  # every replica's ranks hold their own optimizer state
-            if self.optimizer.local_sgd.edit is not None:
-                self.optimizer.local_sgd.edit.attach(self.module)  # forward waits per layer during a sync
+        self.optimizer.outer.attach(self.module)
         zc = self._config.zero_config
         if zc.overlap_comm:
             log_dist("ACCO: zero_optimization.overlap_comm is not used; ACCO overlaps communication with "
@@ -88,7 +86,7 @@ class ACCOEngine(DeepSpeedEngine):
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
         acco, groups = self.acco_config, None
-        if acco.local:  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
+        if needs_replicas(acco.mode):  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
             dp_ranks = tdist.get_process_group_ranks(self.seq_data_parallel_group or tdist.group.WORLD)
             groups = make_groups(dp_ranks, replica_group_size(acco, len(dp_ranks)), acco.timeout_s)
 
@@ -96,7 +94,7 @@ class ACCOEngine(DeepSpeedEngine):
             if groups is not None:
                 kwargs["dp_process_group"] = groups.replica_main
             kwargs.setdefault("communication_data_type", self.communication_data_type)
-            return ACCOZeroOptimizer(*args, acco_config=acco, local_groups=groups, **kwargs)
+            return ACCOZeroOptimizer(*args, acco_config=acco, replica_groups=groups, **kwargs)
 
         original = ds_engine.DeepSpeedZeroOptimizer
         ds_engine.DeepSpeedZeroOptimizer = build
@@ -106,20 +104,18 @@ class ACCOEngine(DeepSpeedEngine):
             ds_engine.DeepSpeedZeroOptimizer = original
 
     def _get_zero_ckpt_name(self, checkpoints_path, tag):
-        # Stock names the file by the rank in the optimizer's group: a replica group in local-SGD modes,
+        # Stock names the file by the rank in the optimizer's group: a replica group under an outer loop,
         # so every replica would write the same files. Name it by the data-parallel rank instead.
-        if getattr(self.optimizer, "local_sgd", None) is None:
+        if _replica_ranks(self) is None:
             return super()._get_zero_ckpt_name(checkpoints_path, tag)
         dp_rank = dist.get_rank(group=self.seq_data_parallel_group)
         return self._get_rank_zero_ckpt_name(checkpoints_path, tag, self.checkpoint_mp_rank, dp_rank,
                                              self.bfloat16_enabled())
 
     def _get_all_zero_checkpoint_names(self, load_dir, tag, bf16_mode):
-        # ZeRO-1 reads the files by rank in its group: in local-SGD modes, this replica's ranks' files.
-        names = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
-        if names is None or getattr(self.optimizer, "local_sgd", None) is None:
-            return names
-        return [names[r] for r in self.optimizer.local_sgd.groups.replica_ranks]
+        # ZeRO-1 reads the files by rank in its group: under an outer loop, this replica's ranks' files.
+        names, ranks = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode), _replica_ranks(self)
+        return names if names is None or ranks is None else [names[r] for r in ranks]
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
         # Stock DeepSpeed sends bf16 + grad_accum_dtype=fp32 to BF16_Optimizer; ACCO keeps ZeRO-1
@@ -192,9 +188,8 @@ class ACCOEngine(DeepSpeedEngine):
             self.skipped_steps += 1
         self._global_grad_norm = result.grad_norm
         self.global_steps += 1
-        self.global_samples += result.global_micro * self.optimizer.replicas * self.train_micro_batch_size_per_gpu()
-        if self.optimizer.local_sgd is not None:
-            self.optimizer.local_sgd.after_inner_step()
+        self.global_samples += result.global_micro * self.optimizer.outer.replicas * self.train_micro_batch_size_per_gpu()
+        self.optimizer.outer.after_inner_step()
         _report_commit(self, result)
 
     def set_train_batch_size(self, train_batch_size):
@@ -209,16 +204,20 @@ class ACCOEngine(DeepSpeedEngine):
     # --------------------------------------------------------- observability
     def acco_stats(self) -> dict:
         """Per-round figures (micro-batches, compute, communication, waiting, the fraction hidden, the last
-        rounds), the local-SGD figures, and the engine's counters."""
+        rounds), the outer loop's figures, and the engine's counters."""
         s = self.optimizer.round_stats()
         s.update(global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
         return s
 
+    def acco_report(self) -> list:
+        """The mode's lines of a run summary, ``(label, text)`` pairs in its own terms (ACCO's rounds, or the
+        outer loop's replicas, syncs, bytes and overlap); ``examples/train_gpt.py`` prints them."""
+        return report_lines(self.optimizer)
+
     @property
     def acco_syncs(self) -> int:
-        """Local-SGD modes: outer syncs done, the same on every rank (A-EDiT's training loops end on it)."""
-        ls = self.optimizer.local_sgd
-        return ls.schedule.period if ls is not None else 0
+        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
+        return self.optimizer.outer.syncs
 
     # ------------------------------------------------- committed weights
     @contextlib.contextmanager
@@ -239,7 +238,8 @@ class ACCOEngine(DeepSpeedEngine):
         self._acco_count_commits()
 
     def save_checkpoint(self, save_dir, *args, **kwargs):
-        local_sgd.before_save(self, args, kwargs)  # A-EDiT: a tag every rank agrees on, each replica's counters
+        if self.optimizer.outer.per_replica_counters:
+            _save_own_counters(self, args, kwargs)
         with self.acco_committed_weights(), checkpoint.save_errors(save_dir):
             return super().save_checkpoint(save_dir, *args, **kwargs)
 
@@ -247,9 +247,11 @@ class ACCOEngine(DeepSpeedEngine):
         opt = self.optimizer
         if isinstance(opt, ACCOZeroOptimizer) and opt.schedule.adaptive:
             self._acco_align_rounds()  # the in-flight job must be one every rank submitted
+        if isinstance(opt, ACCOZeroOptimizer):
+            opt.host_counters = None  # set again by a loaded ACCO state that holds this rank's own counters
         with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None)):
             out = super().load_checkpoint(load_dir, *args, **kwargs)
-        local_sgd.after_load(self)
+        _load_own_counters(self)
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports
         # that step as applied at its next step(), so the resumed run does too.
         pending = self.optimizer.pending
@@ -284,8 +286,7 @@ class ACCOEngine(DeepSpeedEngine):
         while left or opt.schedule.current.comm not in (None, COMMIT):
             self._acco_end_round()
             left = 0
-        if opt.local_sgd is not None:
-            opt.local_sgd.finalize()  # every replica ends on one model
+        opt.outer.finalize()  # local-SGD: every replica ends on one model
         opt.finalize()
         self._acco_count_commits()
         return self.global_steps > steps
@@ -307,6 +308,39 @@ class ACCOPipelineEngine(ACCOEngine, PipelineEngine):
     backward goes through DeepSpeed's ``backward`` and so ends ACCO's rounds, and the step at the end of
     the batch settles ``was_step_applied()`` as on the plain engine. Pipeline sizes above 1 are refused
     before anything is built (``config.check_before_initialize``)."""
+
+
+def _replica_ranks(engine):
+    opt = getattr(engine, "optimizer", None)
+    return opt.outer.replica_ranks if isinstance(opt, ACCOZeroOptimizer) else None
+
+
+# Replicas that run different step counts (A-EDiT): DeepSpeed keeps one copy of the engine counters and the
+# LR scheduler (rank 0's model-states file) and names the checkpoint after this rank's global_steps. Each
+# rank's own copy travels in its ACCO state instead, and the tag is one every rank agrees on.
+def _save_own_counters(engine, args, kwargs) -> None:
+    """Name the checkpoint ``global_step<N>`` with N the most steps any replica ran (unless the caller named
+    it), and keep this rank's counters and LR schedule for its ACCO state."""
+    if not args and kwargs.get("tag") is None:
+        steps = torch.tensor([engine.global_steps], dtype=torch.int64, device=engine.optimizer.device)
+        tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
+        kwargs["tag"] = f"global_step{int(steps.item())}"
+    sched = engine.lr_scheduler
+    engine.optimizer.host_counters = {
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None}
+
+
+def _load_own_counters(engine) -> None:
+    """This rank's counters and LR schedule, not rank 0's (when its checkpoint holds them)."""
+    saved = engine.optimizer.host_counters
+    if saved is None or not engine.optimizer.outer.per_replica_counters:
+        return
+    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
+    engine.skipped_steps = saved["skipped_steps"]
+    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def _peers_state(opt):

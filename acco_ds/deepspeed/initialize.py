@@ -133,6 +133,19 @@ def unpatch() -> None:
             return
         deepspeed.initialize = _original_initialize
         _original_initialize = None
+        _unguard_deepspeed_shm_op()
+
+
+def _unguard_deepspeed_shm_op() -> None:
+    """Give DeepSpeed its own ``build_shm_op`` back (``patch()`` wrapped it)."""
+    import importlib
+    try:
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except Exception:  # noqa: BLE001 - a DeepSpeed without that module: nothing was wrapped
+        return
+    wrapped = ds_torch.build_shm_op
+    if getattr(wrapped, "_acco_guarded", False):
+        ds_torch.build_shm_op = wrapped.__wrapped__
 
 
 def is_patched() -> bool:

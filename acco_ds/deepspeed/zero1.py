@@ -41,10 +41,10 @@ from ..runtime.buffers import FlatBuffers, allocated_bytes
 from ..runtime.comm import CommWorker
 from ..runtime.host_memory import pin_mmap_threshold
 from ..runtime.job import CommResult, KeptShard, RoundJob
+from ..runtime.outer_loop import OuterLoop, Shards, build_outer_loop
 from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
 from . import checkpoint
-from .local_sgd import LocalSGD
 from .parallel import norm_segments, side_group
 from .views import ParamView
 
@@ -55,7 +55,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     ``communication_data_type`` (the reduce-scatter dtype)."""
 
     def __init__(self, *args, acco_config: ACCOConfig, communication_data_type: Optional[torch.dtype] = None,
-                 local_groups=None, **kwargs):
+                 replica_groups=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.acco = acco_config
         self.schedule = self._new_schedule()
@@ -67,7 +67,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
         self.world_size = tdist.get_world_size(group)
         self.rank = tdist.get_rank(group)
-        side = local_groups.replica_side if local_groups is not None else side_group(group, acco_config.timeout_s)
+        side = replica_groups.replica_side if replica_groups is not None else side_group(group, acco_config.timeout_s)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
                                group=side)
         # Tensor parallelism: the norm counts each parameter once and is summed over the model-parallel group.
@@ -92,9 +92,9 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.view = ParamView(self.round_robin_bit16_groups, self.round_robin_bit16_meta,
                               self.round_robin_bit16_offsets, self.bit16_groups_flat)
         self.log = RoundLog()
-        # Local-SGD modes: this ZeRO-1 group is one replica; the outer loop syncs the replicas.
-        self.local_sgd = LocalSGD(self, acco_config, local_groups) if local_groups is not None else None
-        self.replicas = local_groups.replicas if local_groups is not None else 1
+        # The outer loop (local-SGD modes: this ZeRO-1 group is one replica, the loop syncs the replicas).
+        self.outer: OuterLoop = build_outer_loop(acco_config, self._shards(), replica_groups)
+        self.host_counters = None  # the engine's own counters, when each replica keeps its own (checkpoint)
         self.kept = KeptShard()
         self.local_micro = 0  # micro-batches accumulated in the current round
         self.round_scale = float(self.loss_scale)  # loss scale of the current round's gradients
@@ -104,6 +104,12 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self._round_start = time.perf_counter()
         self._round_wait_s = 0.0
         self._last_backward_end = None
+
+    def _shards(self) -> Shards:
+        params = [list(zip(ps, offs)) for ps, offs in zip(self.round_robin_bit16_groups,
+                                                          self.round_robin_bit16_offsets)]
+        return Shards(self.single_partition_of_fp32_groups, self.bit16_groups_flat,
+                      lambda: [buf.gathered for buf in self.buffers], params)
 
     def _new_schedule(self) -> RoundSchedule:
         gas = self.gradient_accumulation_steps
@@ -151,8 +157,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def finish_round(self) -> Optional[CommResult]:
         """End the current round: wait for its communication (sync: run it), install what it gathered."""
         self.view.restore()
-        if self.local_sgd is not None:
-            self.local_sgd.wait_sync()  # edit: the layer-wise sync uses the inner thread's group
+        self.outer.wait()
         rnd = self.schedule.current
         self._handed_next = (self.local_micro, self.round_scale)
         result = None
@@ -205,16 +210,16 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     # ------------------------------------------------- what users read
     def drain(self) -> None:
         """Wait for the in-flight communication (its parameters are installed when the round ends)."""
-        if self.local_sgd is not None:
-            self.local_sgd.wait_sync(read=True)
+        self.outer.before_read()
         if self.comm.busy:
             self.pending = self._collect()
 
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
         """After ``drain()``: the flat buffers that hold the committed weights, when the compute parameters
         hold something else (an estimate, the iterate before a finished commit, a replica); else None."""
-        if self.local_sgd is not None:
-            return self.local_sgd.anchor_flats()  # the last global model
+        outer = self.outer.committed_flats()
+        if outer is not None:
+            return outer
         if self.pending is not None and self.pending.commits:
             return [buf.gathered for buf in self.buffers]
         return None
@@ -250,8 +255,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             h.remove()
         self._hooks = []
         self.comm.close()
-        if self.local_sgd is not None:
-            self.local_sgd.close()
+        self.outer.close()
         super().destroy()
 
     def state_dict(self):
@@ -262,8 +266,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
-        if self.local_sgd is not None:
-            self.local_sgd.wait_sync(read=True)
+        self.outer.before_read()
         if self.comm.busy:
             self.comm.wait()  # the in-flight job belongs to the state being replaced: its result is dropped
         self.view.restore()
@@ -291,8 +294,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def round_stats(self) -> dict:
         out = dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
                    kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes())
-        if self.local_sgd is not None:
-            out.update(self.local_sgd.stats())
+        out.update(self.outer.stats())
         return out
 
     def buffer_bytes(self) -> dict:
@@ -303,7 +305,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 def _slow_down(opt, factor: float) -> None:
     """Emulate a slow worker: stretch the compute since the last backward by ``factor``, leaving out the
     time spent waiting for local-SGD communication."""
-    now, waited = time.perf_counter(), opt.local_sgd.waited_s() if opt.local_sgd is not None else 0.0
+    now, waited = time.perf_counter(), opt.outer.waited_s()
     if opt._last_backward_end is not None:
         then, waited_then = opt._last_backward_end
         time.sleep((factor - 1.0) * (now - then - (waited - waited_then)))

@@ -1,4 +1,4 @@
-"""EDiT's sync on ACCO's ZeRO-1: staleness zero, overlapped with the next forward pass.
+"""EDiT's sync on a replica's ZeRO-1 shards: staleness zero, overlapped with the next forward pass.
 
 At a sync point the compute side computes this replica's pseudo-gradient
 ``δ = x − θ`` (anchor minus master shard) and hands the rest to the outer
@@ -19,7 +19,7 @@ so every chunk is reduced before the first is applied (less overlap).
 
 The thread uses the outer group's side copy and the replica group's side copy;
 the latter belongs to the inner communication thread, which is idle until the
-sync is collected (``ACCOZeroOptimizer.finish_round`` waits for it first).
+sync is collected (the host calls ``OuterLoop.wait`` before it reuses that group).
 """
 
 import math
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as tdist
 
 from ..algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
-from ..runtime.layerwise import ChunkGate, chunk_bounds, last_chunk
-from ..runtime.update import squared_norm
+from .layerwise import ChunkGate, chunk_bounds, last_chunk
+from .update import squared_norm
 
 
 SWITCH_INTERVAL_S = 2e-4
@@ -42,22 +42,22 @@ class LayerwiseSync:
     """One rank's part of EDiT's outer step.
 
     Args:
-        opt: the ``ACCOZeroOptimizer`` of this rank's replica group.
-        groups: ``local_sgd.ReplicaGroups``.
+        shards: ``outer_loop.Shards`` of this rank's replica.
+        groups: ``outer_loop.ReplicaGroups``.
         settings: ``LocalSGDConfig``.
         worker: the outer ``CommWorker`` (its group is ``groups.outer_side``).
     """
 
-    def __init__(self, opt, groups, settings, worker):
-        self.opt, self.groups, self.worker = opt, groups, worker
+    def __init__(self, shards, groups, settings, worker):
+        self.shards, self.groups, self.worker = shards, groups, worker
         self.weighting, self.clip, self.timed = settings.weighting, settings.pseudo_grad_clip, settings.sync_time_s
         a = settings.anomaly
         self.detector = AnomalyDetector(groups.replicas, a.ewma_alpha, a.warmup_syncs, a.threshold) \
             if a.enabled else None
-        self.partition = [int(p) for p in opt.partition_size]
+        self.partition = shards.partition
         self.chunks = [(i, lo, hi) for i, P in enumerate(self.partition) for lo, hi in chunk_bounds(P)]
-        self.gate = ChunkGate(len(self.chunks), torch.device(opt.device).type == "cuda", on_failure=worker.wait)
-        self.delta = [torch.empty_like(m) for m in opt.single_partition_of_fp32_groups]
+        self.gate = ChunkGate(len(self.chunks), shards.device.type == "cuda", on_failure=worker.wait)
+        self.delta = [torch.empty_like(m) for m in shards.masters]
         self.anomalies = 0  # replica-periods left out of the average
         self.history: List[dict] = []  # per sync: norms, weights, anomalous, steps, elapsed (small)
         self._handles = []
@@ -67,10 +67,9 @@ class LayerwiseSync:
     def attach(self, module: torch.nn.Module) -> None:
         """Forward pre-hooks: a module waits for the chunks that hold its own parameters."""
         first, where = 0, {}
-        for i, (params, offsets) in enumerate(zip(self.opt.round_robin_bit16_groups,
-                                                  self.opt.round_robin_bit16_offsets)):
+        for i, params in enumerate(self.shards.params):
             bounds = [(lo, hi) for g, lo, hi in self.chunks if g == i]
-            for p, off in zip(params, offsets):
+            for p, off in params:
                 where[id(p)] = first + last_chunk(off, p.numel(), self.partition[i], bounds)
             first += len(bounds)
         self._handles = self.gate.install_hooks(module, where)
@@ -78,7 +77,7 @@ class LayerwiseSync:
     @torch.no_grad()
     def start(self, anchor, momentum, steps: int, elapsed: float, outer: Callable) -> None:
         """Compute δ and submit the sync; returns at once."""
-        for d, x, m in zip(self.delta, anchor, self.opt.single_partition_of_fp32_groups):
+        for d, x, m in zip(self.delta, anchor, self.shards.masters):
             torch.sub(x, m, out=d)
         self.gate.arm()
         # The sync thread takes the GIL between its many small steps while the forward pass runs Python:
@@ -91,7 +90,7 @@ class LayerwiseSync:
         """After the sync was collected (compute side)."""
         sys.setswitchinterval(self._switch)
         self.anomalies += sum(info["anomalous"])
-        self.history.append({k: v for k, v in info.items() if k != "seconds"})
+        self.history.append({k: v for k, v in info.items() if k not in ("seconds", "bytes")})
 
     def close(self) -> None:
         sys.setswitchinterval(self._switch)
@@ -128,8 +127,10 @@ class LayerwiseSync:
                 scale = clip_scale(mean_norm, self.clip)
                 for c in range(len(self.chunks)):
                     self._install(c, anchor, momentum, outer, scale)
+            sent = info.numel() * info.element_size() + sum(d.numel() * d.element_size() for d in self.delta)
             return {"norms": norms, "anomalous": anomalous, "weights": weights, "steps": values[R:2 * R],
-                    "elapsed": values[2 * R:], "mean_norm": mean_norm, "seconds": time.perf_counter() - t0}
+                    "elapsed": values[2 * R:], "mean_norm": mean_norm, "seconds": time.perf_counter() - t0,
+                    "bytes": sent}
         except BaseException:
             self.gate.fail()
             raise
@@ -152,8 +153,8 @@ class LayerwiseSync:
             d.mul_(scale)
         x = anchor[i][lo:hi]
         outer(x, momentum[i][lo:hi], d)
-        self.opt.single_partition_of_fp32_groups[i][lo:hi].copy_(x)
-        flat, P, k = self.opt.bit16_groups_flat[i], self.partition[i], self.groups.k
+        self.shards.masters[i][lo:hi].copy_(x)
+        flat, P, k = self.shards.flats[i], self.partition[i], self.groups.k
         parts = [flat[r * P + lo:r * P + hi] for r in range(k)]
         parts[self.groups.shard].copy_(x)
         if k > 1:

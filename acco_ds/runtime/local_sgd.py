@@ -1,9 +1,8 @@
-"""The outer loop of the local-SGD modes (``diloco``, ``co2``, ``edit``) on ACCO's ZeRO-1.
+"""The outer loop of the local-SGD modes (``diloco``, ``co2``, ``edit``), an ``OuterLoop``.
 
 The data-parallel ranks split into ``R = W / k`` replica groups of ``k``
-consecutive ranks. ``ACCOZeroOptimizer`` runs with a replica group as its
-ZeRO-1 group, so every inner step is plain ZeRO-1 inside the group (``sync``
-rounds) and the inner optimizer state is sharded ``k`` ways. The ranks that
+consecutive ranks. The host runs every inner step as plain ZeRO-1 inside the
+group, so the inner optimizer state is sharded ``k`` ways. The ranks that
 hold the same shard index in every group form an *outer group*; the outer
 step runs there on fp32 shards, so the anchor ``x`` (the last global model),
 the outer momentum ``m`` and, in ``co2``, the period start ``s`` and the
@@ -13,64 +12,37 @@ The period schedule is ``algorithms.periods``; the outer update is
 ``runtime.outer.outer_step``. In ``co2`` the all-reduce of a period's
 pseudo-gradient runs on a communication thread of its own (own process group,
 own CUDA stream) for the whole next period. ``edit``'s outer step runs on that
-thread too, overlapped with the next forward pass (``deepspeed.edit``); A-EDiT
-ends its periods on the time read from ``clock``.
+thread too, overlapped with the next forward pass (``runtime.edit_sync``);
+A-EDiT ends its periods on the time read from ``clock``.
 """
 
 import time
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
 
 from ..algorithms.periods import CO2, EDIT, PeriodSchedule
-from ..runtime import collectives
-from ..runtime.comm import CommWorker
-from ..runtime.outer import outer_step
-from .edit import LayerwiseSync
+from . import collectives
+from .comm import CommWorker
+from .edit_sync import LayerwiseSync
+from .outer import outer_step
+from .outer_loop import OuterLoop, ReplicaGroups, Shards
 
 
-@dataclass
-class ReplicaGroups:
-    k: int  # ranks per replica group
-    replicas: int  # R
-    replica: int  # this rank's replica index
-    shard: int  # this rank's index inside its replica (its ZeRO-1 partition)
-    replica_ranks: List[int]
-    outer_ranks: List[int]
-    replica_main: object  # ZeRO-1's group (main thread)
-    replica_side: object  # the inner communication thread's copy
-    outer_main: object  # blocking outer all-reduce (main thread)
-    outer_side: object  # co2's outer communication thread
-
-
-def make_groups(dp_ranks: List[int], k: int, timeout_s: float) -> ReplicaGroups:
-    """Create every replica and outer group (collective: all ranks call it alike) and return this rank's."""
-    me = tdist.get_rank()
-    R = len(dp_ranks) // k
-    replicas = [dp_ranks[g * k:(g + 1) * k] for g in range(R)]
-    outers = [[replicas[g][i] for g in range(R)] for i in range(k)]
-    timeout = timedelta(seconds=timeout_s)
-    made = [tdist.new_subgroups_by_enumeration(lists, timeout=timeout)[0]
-            for lists in (replicas, replicas, outers, outers)]
-    g = next(i for i, ranks in enumerate(replicas) if me in ranks)
-    return ReplicaGroups(k, R, g, replicas[g].index(me), replicas[g], outers[replicas[g].index(me)], *made)
-
-
-class LocalSGD:
+class LocalSGD(OuterLoop):
     """Anchor, outer momentum and the sync points of one rank's shard.
 
     Args:
-        opt: the ``ACCOZeroOptimizer`` whose ZeRO-1 group is this rank's replica group.
         acco: the ``ACCOConfig`` (mode ``diloco``, ``co2`` or ``edit``).
-        groups: ``make_groups``' result.
+        shards: this rank's view of its replica's ZeRO-1 state.
+        groups: ``outer_loop.make_groups``' result.
     """
 
-    def __init__(self, opt, acco, groups: ReplicaGroups):
+    def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
         from ..config import LocalSGDConfig
-        self.opt, self.groups = opt, groups
+        self.shards, self.groups = shards, groups
+        self.replicas, self.replica_ranks = groups.replicas, groups.replica_ranks
         self.settings = acco.outer
         ls = acco.local_sgd or LocalSGDConfig()
         self.schedule = PeriodSchedule(acco.mode, None if ls.sync_time_s else ls.sync_every)
@@ -81,21 +53,37 @@ class LocalSGD:
         self._submitted_at = None
         self.max_sync_wait = 0.0  # A-EDiT: longest time this replica waited for the others at a sync
         self.read_syncs = 0  # edit: syncs collected by a read rather than by training
-        self.counters = None  # A-EDiT: this replica's engine counters, saved with it (see before_save)
-        masters = opt.single_partition_of_fp32_groups
+        self.per_replica_counters = self.schedule.timed  # A-EDiT replicas run different step counts
+        masters = shards.masters
         self.anchor = [m.detach().clone() for m in masters]  # every replica starts at θ0 (DeepSpeed broadcast it)
         self.momentum = [torch.zeros_like(m) for m in masters]
         co2 = acco.mode == CO2
         self.start = [m.detach().clone() for m in masters] if co2 else None
         self.in_flight = [torch.zeros_like(m) for m in masters] if co2 else None
         side = co2 or acco.mode == EDIT
-        self.outer_comm = CommWorker(groups.outer_ranks, torch.device(opt.device), acco.timeout_s,
+        self.outer_comm = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s,
                                      group=groups.outer_side) if side else None
-        self.edit = LayerwiseSync(opt, groups, ls, self.outer_comm) if acco.mode == EDIT else None
+        self.edit = LayerwiseSync(shards, groups, ls, self.outer_comm) if acco.mode == EDIT else None
         self.outer_comm_s = 0.0  # seconds the outer all-reduces took on their thread
         self.outer_wait_s = 0.0  # seconds the compute side waited for them
+        self.outer_bytes = 0  # bytes this rank handed to outer all-reduces (payload; the wire adds framing)
+        self.mode = acco.mode
 
     # ------------------------------------------------------------- sync points
+    @property
+    def syncs(self) -> int:
+        return self.schedule.period
+
+    def attach(self, module: torch.nn.Module) -> None:
+        if self.edit is not None:
+            self.edit.attach(module)  # forward waits per layer during a sync
+
+    def wait(self) -> None:
+        self.wait_sync()  # edit: the layer-wise sync uses the inner thread's group
+
+    def before_read(self) -> None:
+        self.wait_sync(read=True)
+
     def after_inner_step(self) -> None:
         sync = self.schedule.after_inner_step(self._time_up() if self.schedule.timed else False)
         if sync is not None:
@@ -142,6 +130,7 @@ class LocalSGD:
             self.outer_comm_s += info["seconds"]
             self.outer_wait_s += time.perf_counter() - t0 + self.edit.gate.waited_s
         self.edit.gate.waited_s = 0.0
+        self.outer_bytes += info["bytes"]
         self.edit.record(info)
         if self.schedule.timed:  # the next period started when the last replica arrived
             waited = max(info["elapsed"]) - info["elapsed"][self.groups.replica]
@@ -155,7 +144,7 @@ class LocalSGD:
             self._submitted_at = self.clock()
             self.edit.start(self.anchor, self.momentum, sync.steps, self._elapsed, self._outer_one)
             return
-        masters = self.opt.single_partition_of_fp32_groups
+        masters = self.shards.masters
         starts = self.start if self.start is not None else self.anchor
         deltas = [s - m for s, m in zip(starts, masters)]  # δ = start − end of the period
         if sync.wait_previous:
@@ -193,6 +182,7 @@ class LocalSGD:
         """Average ``tensors`` in place across the replicas (the outer group); returns the seconds it took."""
         start = time.perf_counter()
         for t in tensors:
+            self.outer_bytes += t.numel() * t.element_size()
             tdist.all_reduce(t, group=group)
             t.div_(self.groups.replicas)
         return time.perf_counter() - start
@@ -206,19 +196,28 @@ class LocalSGD:
 
     def _install(self, shards) -> None:
         """Master shards ← ``shards``; the replica's bit16 weights ← their all-gather."""
-        opt = self.opt
-        for flat, master, shard in zip(opt.bit16_groups_flat, opt.single_partition_of_fp32_groups, shards):
+        for flat, master, shard in zip(self.shards.flats, self.shards.masters, shards):
             if master is not shard:
                 master.copy_(shard)
             collectives.all_gather_part(flat, master, self.groups.shard, self.groups.replica_main)
 
     # ------------------------------------------------------------ what users read
     @torch.no_grad()
-    def anchor_flats(self) -> Optional[List[torch.Tensor]]:
-        """The anchor in the model dtype, gathered into the (idle) communication buffers."""
-        for buf, shard in zip(self.opt.buffers, self.anchor):
-            collectives.all_gather_part(buf.gathered, shard, self.groups.shard, self.groups.replica_main)
-        return [buf.gathered for buf in self.opt.buffers]
+    def committed_flats(self) -> Optional[List[torch.Tensor]]:
+        """The anchor (the last global model) in the model dtype, gathered into the spare buffers."""
+        spare = self.shards.spare()
+        for buf, shard in zip(spare, self.anchor):
+            collectives.all_gather_part(buf, shard, self.groups.shard, self.groups.replica_main)
+        return spare
+
+    def banner(self) -> str:
+        period = (f"sync_time_s={self.sync_time_s:g} (A-EDiT)" if self.schedule.timed else
+                  f"sync_every={self.schedule.sync_every}")
+        st = self.settings
+        outer = (f"outer=SGD lr={st['outer_lr']:g} momentum={st['outer_momentum']:g}"
+                 f"{' nesterov' if st['nesterov'] else ''}")
+        return (f"replicas={self.groups.replicas} x {self.groups.k} ranks (ZeRO-1 inside each) {period} {outer}"
+                f"{'' if self.outer_comm is None else ' outer communication overlapped'}")
 
     def stats(self) -> dict:
         """Syncs done, and for co2/edit how much of the outer communication the compute side waited for."""
@@ -229,7 +228,37 @@ class LocalSGD:
         return {**extra, "syncs": self.schedule.period, "sync_every": self.schedule.sync_every,
                 "replicas": self.groups.replicas,
                 "replica_group_size": self.groups.k, "outer_comm_s": comm, "outer_wait_s": wait,
+                "outer_bytes": self.outer_bytes, "sync_time_s": self.sync_time_s,
                 "outer_hidden_fraction": max(0.0, 1.0 - wait / comm) if comm > 0 else None}
+
+    def report(self) -> List[Tuple[str, str]]:
+        """The summary lines of this mode, from ``stats()``."""
+        s = self.stats()
+        period = (f"a sync every {s['sync_time_s']:g} s of wall time (A-EDiT)" if self.schedule.timed else
+                  f"a sync every {s['sync_every']} inner steps")
+        lines = [("replicas", f"{s['replicas']} replicas x {s['replica_group_size']} ranks (ZeRO-1 inside each), "
+                              f"{period}")]
+        syncs = s["syncs"]
+        hidden = s["outer_hidden_fraction"]
+        overlap = ("blocking: nothing hidden" if self.mode == "diloco" else
+                   "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
+        per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload), " if syncs else ""
+        lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s, "
+                                     f"{overlap} (waited {s['outer_wait_s']:.2f} s)"))
+        if self.edit is not None:
+            lines.append(("anomalies", f"{s['anomalies']} replica-periods left out of the average"))
+        if self.schedule.timed and s["sync_history"]:
+            steps = [[int(h["steps"][r]) for h in s["sync_history"]] for r in range(s["replicas"])]
+            lines.append(("inner steps", "per period, replica by replica (min/mean/max): " + ", ".join(
+                f"{min(x)}/{sum(x) / len(x):.1f}/{max(x)}" for x in steps) +
+                f"; longest wait at a sync {s['max_sync_wait_s']:.2f} s"))
+        return lines
+
+    def progress(self) -> str:
+        s = self.stats()
+        hidden = s["outer_hidden_fraction"]
+        return (f"syncs={s['syncs']} outer_comm={s['outer_comm_s']:.2f}s waited={s['outer_wait_s']:.2f}s "
+                f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -240,13 +269,17 @@ class LocalSGD:
             "detector": self.edit.detector.state_dict() if self.edit.detector is not None else None,
             "period_elapsed_s": self.clock() - self.period_start, "anomalies": self.edit.anomalies}
         return {"schedule": self.schedule.state_dict(), "replicas": self.groups.replicas, "k": self.groups.k,
-                "edit": edit, "counters": self.counters,
+                "edit": edit,
                 "anchor": clone(self.anchor), "momentum": clone(self.momentum), "start": clone(self.start),
                 "in_flight": clone(self.in_flight)}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: Optional[dict]) -> None:
         from ..config import checkpoint_mismatch
+        if sd is None:
+            raise ValueError("this checkpoint was saved without a local-SGD mode: its replicas have no anchor to "
+                             "resume from. Load only the module weights (load_checkpoint(..., "
+                             "load_optimizer_states=False, load_lr_scheduler_states=False))")
         if (sd["replicas"], sd["k"]) != (self.groups.replicas, self.groups.k):
             raise checkpoint_mismatch("replica layout (replicas, replica_group_size)", (sd["replicas"], sd["k"]),
                                       (self.groups.replicas, self.groups.k))
@@ -259,7 +292,6 @@ class LocalSGD:
                 self.edit.detector.load_state_dict(edit["detector"])
             self.edit.anomalies = edit.get("anomalies", 0)
             self.period_start = self.clock() - edit.get("period_elapsed_s", 0.0)  # the period timer goes on
-        self.counters = sd.get("counters")
         for name in ("anchor", "momentum", "start", "in_flight"):
             mine = getattr(self, name)
             for dst, src in zip(mine or [], sd[name] or []):
@@ -272,41 +304,4 @@ class LocalSGD:
             self.outer_comm.close()
 
 
-# A-EDiT's replicas run different step counts, but DeepSpeed keeps one copy of the engine counters and
-# the LR scheduler (rank 0's model-states file) and names the checkpoint after this rank's global_steps.
-# Each rank's own copy travels in its ACCO state instead, and the tag is one every rank agrees on.
-def _timed(engine):
-    ls = getattr(engine.optimizer, "local_sgd", None)
-    return ls if ls is not None and ls.schedule.timed else None
-
-
-def before_save(engine, args, kwargs) -> None:
-    """A-EDiT: name the checkpoint ``global_step<N>`` with N the most inner steps any replica ran (unless
-    the caller named it), and put this replica's counters into its ACCO state."""
-    timed = _timed(engine)
-    if timed is None:
-        return
-    if not args and kwargs.get("tag") is None:
-        steps = torch.tensor([engine.global_steps], dtype=torch.int64)
-        tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
-        kwargs["tag"] = f"global_step{int(steps)}"
-    sched = engine.lr_scheduler
-    timed.counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                      "skipped_steps": engine.skipped_steps,
-                      "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict")
-                      else None}
-
-
-def after_load(engine) -> None:
-    """A-EDiT: this replica's counters and LR schedule, not rank 0's."""
-    timed = _timed(engine)
-    saved = timed.counters if timed is not None else None
-    if saved is None:
-        return
-    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
-    engine.skipped_steps = saved["skipped_steps"]
-    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-
-
-__all__ = ["LocalSGD", "ReplicaGroups", "make_groups", "before_save", "after_load"]
+__all__ = ["LocalSGD"]

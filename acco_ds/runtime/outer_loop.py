@@ -1,0 +1,181 @@
+"""The outer-loop interface: how a host (the DeepSpeed engine today) drives an outer algorithm.
+
+The round modes (``acco``, ``dpu``, ``sync``) have no outer loop: every rank
+is one data-parallel worker. The local-SGD family (``diloco``, ``co2``,
+``edit``) runs the host's inner steps inside *replica groups* and synchronises
+the replicas every period. Everything a host needs from such an algorithm
+goes through ``OuterLoop``, whose base class is the do-nothing loop of the
+round modes, so the host calls every hook unconditionally:
+
+* ``after_inner_step``: after every committed inner step (the period clock);
+* ``wait``: before the host reuses its inner communication thread (training waits for the sync);
+* ``before_read``: before anything reads weights or state (finish what is in flight);
+* ``committed_flats``: what users read (the anchor), in flat model-dtype buffers;
+* ``finalize``: leave every replica on one model;
+* ``state_dict`` / ``load_state_dict``: the outer state a checkpoint holds;
+* ``stats``: the loop's figures (``engine.acco_stats()``); ``banner``, ``report``, ``progress``: its
+  start-up words, summary lines and progress words, which the host prints as they are, so a new loop
+  is described without host changes;
+* ``attach``: the module, for per-layer forward hooks (``edit``); ``close``: stop the loop's threads.
+
+An outer loop never sees the engine or the optimizer: it gets ``Shards`` (its
+fp32 master shards, the replica's flat parameters, a spare flat buffer per
+group, the parameters with their flat offsets) and ``ReplicaGroups`` (its
+process groups). A new algorithm subclasses ``OuterLoop`` and registers
+itself with ``register_outer_loop(mode, factory)``; no host file changes.
+"""
+
+import importlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass
+class ReplicaGroups:
+    """This rank's place in the replica layout: ``R = W / k`` replica groups of ``k`` consecutive ranks; the
+    ranks with the same index in every replica form an *outer group* (they hold the same shard)."""
+    k: int  # ranks per replica group
+    replicas: int  # R
+    replica: int  # this rank's replica index
+    shard: int  # this rank's index inside its replica (its ZeRO-1 partition)
+    replica_ranks: List[int]
+    outer_ranks: List[int]
+    replica_main: object  # the host's inner group (main thread)
+    replica_side: object  # the inner communication thread's copy
+    outer_main: object  # blocking outer collectives (main thread)
+    outer_side: object  # the outer communication thread's copy
+
+
+def make_groups(dp_ranks: List[int], k: int, timeout_s: float) -> ReplicaGroups:
+    """Create every replica and outer group (collective: all ranks call it alike) and return this rank's."""
+    me = tdist.get_rank()
+    R = len(dp_ranks) // k
+    replicas = [dp_ranks[g * k:(g + 1) * k] for g in range(R)]
+    outers = [[replicas[g][i] for g in range(R)] for i in range(k)]
+    timeout = timedelta(seconds=timeout_s)
+    made = [tdist.new_subgroups_by_enumeration(lists, timeout=timeout)[0]
+            for lists in (replicas, replicas, outers, outers)]
+    g = next(i for i, ranks in enumerate(replicas) if me in ranks)
+    return ReplicaGroups(k, R, g, replicas[g].index(me), replicas[g], outers[replicas[g].index(me)], *made)
+
+
+@dataclass
+class Shards:
+    """The narrow view of one replica's ZeRO-1 state an outer loop may read and write.
+
+    ``masters[i]`` is this rank's fp32 master shard of parameter group ``i`` (the inner optimizer steps it;
+    an outer step overwrites it); ``flats[i]`` the replica's flat compute parameters in the model dtype,
+    partitioned ``k`` ways like the masters; ``spare[i]`` a flat buffer of the same layout that the host
+    does not use while the loop reads it (the committed view is gathered there); ``params[i]`` the
+    parameters of group ``i`` with their offsets in ``flats[i]``, in registration (forward) order.
+    """
+    masters: List[torch.Tensor]
+    flats: List[torch.Tensor]
+    spare: Callable[[], List[torch.Tensor]]
+    params: List[List[Tuple[torch.Tensor, int]]]
+
+    @property
+    def partition(self) -> List[int]:
+        return [m.numel() for m in self.masters]
+
+    @property
+    def device(self) -> torch.device:
+        return self.masters[0].device
+
+
+class OuterLoop:
+    """The do-nothing outer loop of the round modes, and the base of every outer algorithm."""
+
+    replicas: int = 1  # R: replicas whose samples one inner step counts once each
+    replica_ranks: Optional[List[int]] = None  # ranks whose ZeRO-1 files this rank's replica reads (None: all)
+    per_replica_counters: bool = False  # replicas run different step counts (A-EDiT): each keeps its own
+    syncs: int = 0  # outer synchronisations done, the same on every rank
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """The host's module, once built."""
+
+    def after_inner_step(self) -> None:
+        """One inner step was committed on this replica."""
+
+    def wait(self) -> None:
+        """Finish outer communication in flight that the next inner step needs (counted as training wait);
+        the host calls it before it reuses its inner communication thread's group."""
+
+    def before_read(self) -> None:
+        """Weights or state are about to be read: finish what is in flight."""
+
+    def committed_flats(self) -> Optional[List[torch.Tensor]]:
+        """After ``before_read``: flat model-dtype buffers holding what users read, or None (the host's own)."""
+        return None
+
+    def finalize(self) -> None:
+        """End of training: leave every replica on one model."""
+
+    def waited_s(self) -> float:
+        """Seconds the compute side waited for outer communication so far."""
+        return 0.0
+
+    def state_dict(self) -> Optional[dict]:
+        return None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Restore ``state_dict()``'s result (None: the checkpoint has no outer state)."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def banner(self) -> str:
+        """This loop's words in the host's start-up line ("": the host describes its rounds)."""
+        return ""
+
+    def report(self) -> List[Tuple[str, str]]:
+        """This loop's lines of a run summary, ``(label, text)``, from ``stats()`` ([]: the host's rounds)."""
+        return []
+
+    def progress(self) -> str:
+        """This loop's words in the host's periodic progress line ("": the host's round figures)."""
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+Factory = Callable[..., OuterLoop]
+# mode -> factory(acco_config, shards, groups), or "module:Class" imported on first use (no import cycle,
+# no cost for modes that are not used).
+OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
+    "diloco": "acco_ds.runtime.local_sgd:LocalSGD",
+    "co2": "acco_ds.runtime.local_sgd:LocalSGD",
+    "edit": "acco_ds.runtime.local_sgd:LocalSGD",
+}
+
+
+def register_outer_loop(mode: str, factory: Factory) -> None:
+    """Make ``mode`` build ``factory(acco_config, shards, groups)`` (the config must accept the mode)."""
+    OUTER_LOOPS[mode] = factory
+
+
+def needs_replicas(mode: str) -> bool:
+    """Does ``mode`` run an outer loop over replica groups?"""
+    return mode in OUTER_LOOPS
+
+
+def build_outer_loop(acco, shards: Shards, groups: Optional[ReplicaGroups]) -> OuterLoop:
+    """The outer loop of ``acco.mode`` (the do-nothing loop for the round modes)."""
+    factory = OUTER_LOOPS.get(acco.mode)
+    if factory is None:
+        return OuterLoop()
+    if groups is None:
+        raise ValueError(f"mode {acco.mode!r} runs on replica groups: the host must create them (make_groups)")
+    if isinstance(factory, str):
+        module, name = factory.split(":")
+        factory = getattr(importlib.import_module(module), name)
+    return factory(acco, shards, groups)
+
+
+__all__ = ["OuterLoop", "Shards", "ReplicaGroups", "make_groups", "register_outer_loop", "build_outer_loop",
+           "needs_replicas", "OUTER_LOOPS"]
