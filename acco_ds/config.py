@@ -13,11 +13,11 @@ import typing
 from typing import Literal, Optional
 
 import torch
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, AnomalyConfig,
                            LocalSGDConfig, _Documented)
+from .deepspeed.compat import DeepSpeedConfigModel, check_instance
 
 ACCO_KEY = "acco"
 
@@ -216,12 +216,13 @@ def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, a
     """Reject what ACCO cannot train before ``deepspeed.initialize`` builds
     anything: engines other than ``DeepSpeedEngine`` (pipeline, hybrid),
     MoE, model parallelism."""
-    from deepspeed.moe.utils import has_moe_layers
-    from deepspeed.pipe import PipelineModule
+    from .deepspeed.compat import PipelineModule, has_moe_layers
     problems = []
     if ((ds_config or {}).get("hybrid_engine") or {}).get("enabled"):
         problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false} or '
                         '"acco": {"enabled": false}')
+    if isinstance(model, PipelineModule):
+        check_instance(model, "PipelineModule")
     if isinstance(model, PipelineModule) and model.num_stages > 1:
         problems.append(f"pipeline parallelism with {model.num_stages} stages is not supported by ACCO (its rounds "
                         f"would need two pipeline flushes per step, or rounds spanning train_batch calls): use a "
@@ -246,6 +247,8 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``; called before the
     engine builds its optimizer. Every rule of that kind lives here.
     """
+    check_instance(ds_config, "DeepSpeedConfig")
+    check_instance(ds_config.zero_config, "DeepSpeedZeroConfig")
     problems = []
     stage = int(ds_config.zero_optimization_stage)
     if stage != 1:
@@ -307,13 +310,24 @@ def _raise(problems) -> None:
         raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
 
 
-def checkpoint_mismatch(what: str, saved, now) -> ValueError:
-    """The error for resuming an ACCO checkpoint under a different ``what``
-    (data-parallel world size, gradient_accumulation_steps): its in-flight
-    rounds are per rank and hold that many micro-batches."""
+def checkpoint_mismatch(what: str, saved, now, replicas: bool = False) -> ValueError:
+    """The error for resuming an ACCO checkpoint under a different ``what`` (data-parallel world size,
+    gradient_accumulation_steps, replica layout). Round modes: the in-flight rounds are per rank and hold
+    that many micro-batches. ``replicas`` (local-SGD modes): each rank's replica state and the outer state
+    are sharded over the replica group."""
+    weights_only = "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)"
+    if replicas:
+        return ValueError(
+            f"this local-SGD checkpoint was saved with {what}={saved} but this run has {now}. It holds, per rank, "
+            f"that rank's replica (its weights and its shard of the inner optimizer state, split over the "
+            f"replica_group_size ranks of its replica), the outer state (anchor, outer momentum) sharded the same "
+            f"way, and the position in the period: it resumes only with the same world size and "
+            f"acco.local_sgd.replica_group_size. To continue with another layout, load only the module weights, "
+            f"which are the committed global model ({weights_only}); the inner and outer optimizer states then "
+            f"start afresh")
     return ValueError(f"this ACCO checkpoint was saved with {what}={saved} but this run has {now}: its in-flight "
                       f"gradients are per rank and per round. Resume with {what}={saved}, or load only the module "
-                      f"weights (load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")
+                      f"weights ({weights_only})")
 
 
 __all__ = ["ACCOConfig", "ACCOEmulationConfig", "LocalSGDConfig", "AnomalyConfig", "LOCAL_SGD_MODES", "ROUND_MODES",

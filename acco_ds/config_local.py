@@ -6,8 +6,9 @@ Kept apart from ``acco_ds.config`` (which re-exports every name here) so each mo
 
 from typing import Literal, Optional
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
+
+from .deepspeed.compat import DeepSpeedConfigModel
 
 
 class _Documented(DeepSpeedConfigModel):

@@ -16,6 +16,9 @@ gradient-accumulation and communication dtypes, Adam:
                    + 12N/W (fp32 master, m, v) + 4N/W (fp32 gradient shard)
                    + cN/W (the estimate round's kept shard, acco mode only)
                    + cN/W (reduce-scatter output, only when c is not fp32)
+    ACCO sync,     the same without the communication buffer (nothing overlaps: the reduce-scatter reads
+    local-SGD      the accumulator, the all-gather writes the parameters), or cN for a cast when a != c;
+                   local-SGD modes count it over their replica group of k ranks, plus the outer state
 
 The ACCO buffer terms come from ``buffers.plan_bytes``, the same function
 the engine allocates by, and the tests check the two against each other.
@@ -44,7 +47,8 @@ def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtyp
     model = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model
     comm = _dtype(communication_data_type) if communication_data_type is not None else model
-    return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco").values())
+    return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco",
+                          overlap=mode in ("acco", "dpu")).values())
 
 
 def outer_state_bytes(numel: int, group_size: int, mode: str) -> int:

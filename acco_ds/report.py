@@ -98,6 +98,17 @@ def _ops_table(torch):
     print(f"engine kernels ..... {name} (acco.kernels=\"auto\" on {device})")
 
 
+def internals_line() -> str:
+    """Whether the installed DeepSpeed has every internal acco_ds uses (``deepspeed/compat.py``)."""
+    try:
+        from .deepspeed import compat
+        compat.check_deepspeed()
+    except Exception as err:  # noqa: BLE001 - DeepSpeedIncompatible, or a DeepSpeed that fails to import
+        return f"DeepSpeed internals  MISSING: {err}"
+    return (f"DeepSpeed internals  ok ({len(compat.IMPORTS)} names, {len(compat.METHODS)} methods checked; "
+            f"tested with deepspeed{compat.SUPPORTED})")
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "memory":
@@ -118,7 +129,8 @@ def main(argv=None):
     for pkg in ("torch", "deepspeed", "pydantic", "ninja"):
         print(f"{pkg:.<20} {_version(pkg)}")
     print(f"CUDA available ..... {torch.cuda.is_available()}")
-    print(patch_line())
+    print(patch_line())  # before anything here imports deepspeed (which the startup hook would patch)
+    print(internals_line())
     try:
         for line in autopatch_lines():
             print(line)
@@ -129,7 +141,7 @@ def main(argv=None):
     print("\nDeepSpeed environment (ds_report):")
     sys.stdout.flush()
     try:
-        from deepspeed.env_report import main as ds_report
+        from .deepspeed.compat import env_report as ds_report
         ds_report(hide_operator_status=True)
     except Exception as err:  # noqa: BLE001
         print(f"ds_report failed: {type(err).__name__}: {err}")

@@ -538,6 +538,8 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
     ap.add_argument("--timeout-s", type=float, default=20, help='"acco": {"timeout_s"} of the hang/link rows')
     ap.add_argument("--out", default=str(RESULTS / "faults"), help="results path without extension")
+    ap.add_argument("--opts", default="{}", help="JSON object of scenario options (what the tests vary)")
+    ap.add_argument("--limit", type=float, default=None, help="hard limit per scenario, s (default: its own)")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(SCENARIOS))
@@ -550,14 +552,14 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     harness.interrupt_on_signals()
-    opts = {"stop_timeout_s": args.timeout_s, "link_timeout_s": args.timeout_s}
+    opts = {"stop_timeout_s": args.timeout_s, "link_timeout_s": args.timeout_s, **json.loads(args.opts)}
     base = Path(tempfile.mkdtemp(prefix="acco_faults_"))
     rows = []
     t0 = time.time()
     try:
         for name in names:
             print(f"== {name} ...", flush=True)
-            got = run_scenario(name, base / name, opts)
+            got = run_scenario(name, base / name, opts, limit=args.limit)
             for r in got:
                 print(f"   {r['fault']}: {r['seen']} | {r['seconds']} | {r['resumes']}", flush=True)
             rows += got

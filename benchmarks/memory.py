@@ -155,8 +155,9 @@ def states_workload(args):
 
 
 def local_sgd_workload(args):
-    """The model-states workload on 4 ranks: stock ZeRO-1 vs diloco/co2 with k = 1 and 2, measured peak RSS
-    beside ``acco-ds memory``'s estimate (fp32)."""
+    """The model-states workload on 4 ranks: stock ZeRO-1 vs sync, acco and diloco/co2 with k = 1 and 2,
+    measured peak RSS beside ``acco-ds memory``'s estimate (fp32). Without overlap (sync, the local-SGD
+    inner steps) no communication buffer is allocated: sync costs what stock costs."""
     import torch
 
     import memory_probe as probe
@@ -165,8 +166,9 @@ def local_sgd_workload(args):
     world, dtype, rows = 4, "fp32", []
     stock = probe.launch("stock", dtype, args.steps, "", args.port, tmp, world=world)
     n = stock[0]["n_params"]
-    for i, (mode, k) in enumerate((("diloco", 1), ("diloco", 2), ("co2", 2))):
-        res = probe.launch(f"{mode}:{k}", dtype, args.steps, "", args.port + 1 + i, tmp, world=world)
+    for i, (mode, k) in enumerate((("sync", world), ("acco", world), ("diloco", 1), ("diloco", 2), ("co2", 2))):
+        spec = mode if k == world else f"{mode}:{k}"
+        res = probe.launch(spec, dtype, args.steps, "", args.port + 1 + i, tmp, world=world)
         est = estimate_memory(params=n, gpus=world, dtype=dtype, mode=mode, replica_group_size=k, verbose=False)
         extra = [(a["phases"]["end"]["peak"] - s["phases"]["end"]["peak"]) / 2**20 for a, s in zip(res, stock)]
         rows.append({"mode": mode, "k": k, "measured_extra_mb": extra, "estimated_extra_mb": est["extra_bytes"] / 2**20,

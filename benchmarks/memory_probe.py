@@ -218,6 +218,8 @@ def config(dtype, acco, gas=2, micro=2):
         cfg["bf16"] = {"enabled": True}
     if acco is True:
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed", "kernels": "auto"}
+    elif acco in ("dpu", "sync"):  # the other round modes
+        cfg["acco"] = {"enabled": True, "mode": acco, "accumulation": "fixed", "kernels": "auto"}
     elif acco:  # a mode name of the local-SGD family with its replica group size: "diloco:2"
         mode, k = acco.split(":")
         cfg["acco"] = {"enabled": True, "mode": mode, "local_sgd": {"sync_every": 2, "replica_group_size": int(k)}}
@@ -309,7 +311,7 @@ def launch(mode, dtype, steps, fix, port, tmp, extra_env=None, world=2):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="acco", help='acco, stock, or a local-SGD mode and k: "diloco:2"')
+    p.add_argument("--mode", default="acco", help='acco, dpu, sync, stock, or a local-SGD mode and k: "diloco:2"')
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--fix", default="", help=f"comma-separated prototype fixes: {', '.join(FIXES)}")

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,8 +17,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "workers.py"
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import free_port  # noqa: E402 - one free_port for the tests and the benchmarks (benchmarks/harness.py)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None):

@@ -8,7 +8,7 @@ steps and finite weights. Slow or privileged scenarios (the JIT build kill,
 the veth link cut) run only in the drill itself.
 """
 
-import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -18,22 +18,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_drill():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # what the drill imports: harness.py
-    spec = importlib.util.spec_from_file_location("acco_fault_drill", ROOT / "benchmarks" / "faults.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-faults = _load_drill()
+pytestmark = pytest.mark.slow
 
 
 def run(name, tmp_path, limit, **opts):
-    rows = faults.run_scenario(name, tmp_path / name, opts, limit=limit)
+    """The drill's own command line for one scenario (a subprocess: the tests import nothing from
+    benchmarks/); its rows come back through the results file it writes."""
+    out = tmp_path / name
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--only", name, "--limit", str(limit),
+           "--opts", json.dumps(opts), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit + 15)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     for r in rows:
         assert not r["seen"].startswith(("TIMEOUT", "ERROR")), f"{r['seen']}\n{r.get('error', '')}"
     return rows

@@ -177,7 +177,8 @@ def test_report():
     import torch
     for needle in ("acco_ds report", f"acco_ds ............ {acco_ds.__version__}",
                    f"torch............... {torch.__version__}", f"deepspeed........... {deepspeed.__version__}",
-                   "pydantic............", "patch active ....... False", "acco_cpu_ops", "acco_cuda_ops",
+                   "pydantic............", "patch active ....... False",
+                   "DeepSpeed internals  ok (", "acco_cpu_ops", "acco_cuda_ops",
                    "DeepSpeed general environment info", "torch version ...................."):
         assert needle in out, out
     # The engine's choice agrees with the ops table's "auto uses" for the CPU op.

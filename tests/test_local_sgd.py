@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from acco_ds.memory import acco_buffer_bytes
 from acco_ds.testing.simulator import simulate_local_sgd
 from dist import launch
 from test_engine import assert_matches
@@ -48,6 +49,10 @@ def test_diloco_and_co2_match_the_simulator(world, k):
             assert r["global_steps"] == STEPS
             assert_matches(r["params"], ref["replicas"][rank // k])
             assert_matches(r["committed"], ref["anchor"])
+            # Inner steps do not overlap: no communication buffer, ZeRO-1's own costs over k ranks.
+            size = r["group_numels"][0]
+            assert r["buffer_bytes"]["communication"] == 0
+            assert r["buffer_bytes"]["total"] == acco_buffer_bytes(size, k, "fp32", mode=mode)
         # The replicas really differ between syncs, and the outer step moves the anchor off the mean.
         a, b = results[0][i]["params"][0], results[world - 1][i]["params"][0]
         assert (a - b).abs().max() > 1e-4, "replicas trained on the same data"
@@ -97,3 +102,28 @@ def test_bad_local_sgd_settings_are_rejected_at_initialize(local_sgd, world, nee
     results = launch({"runs": [dict(config=cfg, steps=1)]}, world_size=world, timeout=120, expect_failure=True)
     for code, log in results:
         assert code != 0 and needle in log, log[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_checkpoint_from_another_replica_layout_is_refused_with_what_it_holds(tmp_path):
+    """diloco saved on 4 ranks as 2 replicas of 2; loaded on 2 ranks (k=1) and on 4 ranks with k=1: refused,
+    saying what a local-SGD checkpoint holds and which layout resumes it; the module weights alone load (the
+    committed anchor) and training goes on."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = launch({"runs": [dict(config=common.ds_config(acco=local("diloco", 2), gas=GAS), steps=3, save=ckpt,
+                                  record_committed=True)]}, world_size=4, timeout=300)
+    anchor = saved[0][0]["committed"][-1]
+    k1 = common.ds_config(acco=local("diloco", 1), gas=GAS)
+    for world in (2, 4):
+        logs = launch({"runs": [dict(config=k1, steps=4, load=ckpt)]}, world_size=world, timeout=300,
+                      expect_failure=True)
+        text = logs[0][1]
+        assert "this local-SGD checkpoint was saved with" in text, text[-3000:]
+        assert "it resumes only with the same world size and acco.local_sgd.replica_group_size" in text
+        assert "load_optimizer_states=False" in text and "in-flight gradients are per rank" not in text
+    weights_only = launch({"runs": [dict(config=k1, steps=5, load=ckpt, load_kwargs={
+        "load_optimizer_states": False, "load_lr_scheduler_states": False})]}, world_size=2, timeout=300)
+    for rank in range(2):
+        r = weights_only[rank][0]
+        assert torch.equal(r["loaded"]["params"], anchor), "the module weights are not the committed anchor"
+        assert r["global_steps"] == 5

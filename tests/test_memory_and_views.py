@@ -7,7 +7,7 @@ import common
 from acco_ds.runtime.buffers import plan_bytes
 from acco_ds.memory import acco_buffer_bytes, estimate_memory, padded_numel
 from dist import launch
-from test_engine import STEPS, W, assert_matches, reference
+from test_engine import DRIFT_VS_STOCK, STEPS, W, assert_matches, deviation, reference
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -15,16 +15,17 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def test_precisions_buffers_and_the_estimator():
     """fp32 / bf16 models, fp32 accumulation on bf16 (ZeRO-1, not BF16_Optimizer),
     bf16 communication of an fp32 model: each agrees with the fp32 reference
-    at its stated tolerance, and allocates exactly the buffers the memory plan
-    and the estimator compute."""
-    cases = [  # name, model dtype, grad_accum_dtype, communication_data_type, tolerance vs reference
-        ("fp32", "fp32", None, None, 2e-6),
-        ("bf16", "bf16", None, None, 2e-2),
-        ("bf16+fp32 accumulation", "bf16", "fp32", None, 2e-2),
-        ("fp32, bf16 reduce-scatter", "fp32", None, "bf16", 5e-3),
+    (the reduced-precision ones within DRIFT_VS_STOCK times the drift of stock
+    DeepSpeed ZeRO-1 at the same precision, measured in the same launch), and
+    allocates exactly the buffers the memory plan and the estimator compute."""
+    cases = [  # name, model dtype, grad_accum_dtype, communication_data_type
+        ("fp32", "fp32", None, None),
+        ("bf16", "bf16", None, None),
+        ("bf16+fp32 accumulation", "bf16", "fp32", None),
+        ("fp32, bf16 reduce-scatter", "fp32", None, "bf16"),
     ]
-    runs = []
-    for _, dtype, accum, comm, _ in cases:
+    runs, stock_runs = [], []
+    for _, dtype, accum, comm in cases:
         extra = {}
         if accum:
             extra["data_types"] = {"grad_accum_dtype": accum}
@@ -32,14 +33,19 @@ def test_precisions_buffers_and_the_estimator():
             extra["communication_data_type"] = comm
         runs.append(dict(config=common.ds_config(acco={"mode": "acco"}, dtype=dtype, **extra), dtype=dtype,
                          steps=STEPS))
-    results = launch({"runs": runs}, world_size=W, timeout=300)
+        stock_runs.append(dict(config=common.ds_config(dtype=dtype, **extra), dtype=dtype, steps=STEPS,
+                               use_acco_initialize=False))
+    results = launch({"runs": runs + stock_runs}, world_size=W, timeout=300)
+    stock = results[0][len(cases):]
     ref = reference("acco")["params"]
     n = sum(p.numel() for p in common.make_model().parameters())
-    for (name, dtype, accum, comm, tol), r in zip(cases, results[0]):
+    for i, ((name, dtype, accum, comm), r) in enumerate(zip(cases, results[0])):
         assert r["optimizer_class"] == "ACCOZeroOptimizer", name
-        worst = max((got.double() - want).abs().max().item() for got, want in zip(r["params"], ref))
-        assert worst < tol, f"{name}: max deviation from the fp32 reference {worst:.2e} >= {tol:.0e}"
-        if tol > 2e-6:
+        worst = deviation(r["params"], ref)
+        # fp32 in and out: the oracle's own float64 rounding only. Else DRIFT_VS_STOCK x stock's own drift.
+        tol = 2e-6 if i == 0 else DRIFT_VS_STOCK * deviation(stock[i]["params"], stock[0]["params"])
+        assert worst < tol, f"{name}: max deviation from the fp32 reference {worst:.2e} >= {tol:.2e}"
+        if i > 0:
             assert worst > 1e-7, f"{name}: no deviation at all, so the run was not in reduced precision"
         # The engine allocates what the plan says, and the estimator agrees.
         b = r["buffer_bytes"]
@@ -54,13 +60,13 @@ def test_precisions_buffers_and_the_estimator():
                               verbose=False)
         assert est["extra_bytes"] == b["total"] - (DT[accum or dtype].itemsize * padded_numel(n, W)
                                                    + 4 * padded_numel(n, W) // W)
-    fp32, bf16, accum32, comm16 = results[0]
+    fp32, bf16, accum32, comm16 = results[0][:len(cases)]
     # One model-sized buffer beyond stock's gradients at default precision (b = 4, 2 bytes).
     size = padded_numel(n, W)
     assert fp32["buffer_bytes"]["communication"] == 4 * size and fp32["buffer_bytes"]["accumulator"] == 4 * size
     assert bf16["buffer_bytes"]["communication"] == 2 * size and bf16["buffer_bytes"]["accumulator"] == 2 * size
     assert accum32["buffer_bytes"]["accumulator"] == 4 * size and accum32["buffer_bytes"]["communication"] == 2 * size
-    for a, b in zip(results[0], results[1]):
+    for a, b in zip(results[0][:len(cases)], results[1][:len(cases)]):
         for x, y in zip(a["params"], b["params"]):
             assert torch.equal(x, y), "ranks disagree"
 

@@ -115,7 +115,7 @@ def run(spec, rank, world):
         if spec.get("until_syncs"):  # A-EDiT: every rank consumed its own number of micro-batches
             position = json.load(open(os.path.join(spec["load"], f"position{rank}.json")))
             clock["t"] = position[1]  # before the load: it restarts the period timer from this clock
-        _, client = engine.load_checkpoint(spec["load"])
+        _, client = engine.load_checkpoint(spec["load"], **spec.get("load_kwargs", {}))
         micro = client["micro"] if position is None else position[0]
         spec["start_step"] = engine.global_steps
         out["loaded"] = {"global_steps": engine.global_steps, "params": read_weights(engine)}

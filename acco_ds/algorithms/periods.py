@@ -94,6 +94,10 @@ class PeriodSchedule:
         self.in_flight = sync.send
         return sync
 
+    def restart(self) -> None:
+        """A new period from now (the weights were replaced): nothing counted, nothing in flight."""
+        self.inner, self.in_flight = 0, False
+
     def state_dict(self) -> dict:
         return {"mode": self.mode, "sync_every": self.sync_every, "period": self.period, "inner": self.inner,
                 "in_flight": self.in_flight}

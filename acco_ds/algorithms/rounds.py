@@ -81,6 +81,11 @@ class RoundSchedule:
         self.current = self._round(0)
 
     @property
+    def overlaps(self) -> bool:
+        """Communication runs while the compute side works (not in ``sync``)."""
+        return self.mode != "sync"
+
+    @property
     def adaptive(self) -> bool:
         return self.max_micro > self.min_micro
 

@@ -61,11 +61,13 @@ def find_state(opt, state_dict_list):
 
 def check_state(opt, acco: dict) -> None:
     """Refuse a checkpoint whose in-flight rounds cannot continue here."""
+    replicas = opt.outer.replica_ranks is not None
     if acco["world_size"] != opt.world_size:
-        raise checkpoint_mismatch("data-parallel world size", acco["world_size"], opt.world_size)
+        what = "replica_group_size" if replicas else "data-parallel world size"
+        raise checkpoint_mismatch(what, acco["world_size"], opt.world_size, replicas)
     gas = acco.get("gradient_accumulation_steps")
     if gas is not None and gas != opt.gradient_accumulation_steps:
-        raise checkpoint_mismatch("gradient_accumulation_steps", gas, opt.gradient_accumulation_steps)
+        raise checkpoint_mismatch("gradient_accumulation_steps", gas, opt.gradient_accumulation_steps, replicas)
 
 
 def load_state(opt, acco: dict) -> None:
@@ -129,16 +131,18 @@ def save_errors(save_dir):
 
 
 @contextlib.contextmanager
-def load_errors(load_dir, tag):
-    """Name the real cause of a failed load: another world size, or a damaged file."""
-    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+def load_errors(load_dir, tag, replicas: bool = False):
+    """Name the real cause of a failed load: another world size, or a damaged file. ``replicas``: the run
+    has an outer loop over replica groups (its checkpoints are per replica)."""
+    from .compat import ZeRORuntimeException
     try:
         yield
     except ZeRORuntimeException as err:
         sizes = re.search(r"world size of (\d+) but the current world size is (\d+)", str(err))
         if sizes is None:
             raise
-        raise ValueError(f"ACCO: {checkpoint_mismatch('data-parallel world size', *sizes.groups())}. "
+        what = "ZeRO-1 group size (replica_group_size)" if replicas else "data-parallel world size"
+        raise ValueError(f"ACCO: {checkpoint_mismatch(what, *sizes.groups(), replicas)}. "
                          f"DeepSpeed: {err}") from err
     except (OSError, EOFError, RuntimeError) as err:
         if isinstance(err, FileNotFoundError) or "ACCO" in str(err):

@@ -32,19 +32,17 @@ workers contribute different counts.
 
 import contextlib
 
-import deepspeed.runtime.engine as ds_engine
 import torch
 import torch.distributed as tdist
-from deepspeed import comm as dist
-from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.utils import log_dist, logger
 
 from ..algorithms.rounds import COMMIT
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.job import CommResult
 from ..runtime.outer_loop import make_groups, needs_replicas
 from . import checkpoint
+from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
+                     logger)
+from .compat import comm as dist
 from .progress import _banner, _report_commit, _say, report_lines
 from .zero1 import ACCOZeroOptimizer
 
@@ -66,6 +64,7 @@ class ACCOEngine(DeepSpeedEngine):
         self.__dict__["_acco_applied"] = False
         self.__dict__["_acco_eval_view"] = False
         super().__init__(*args, **kwargs)
+        check_instance(self, "DeepSpeedEngine")
         if not isinstance(self.optimizer, ACCOZeroOptimizer):
             raise ValueError("ACCO needs an optimizer and ZeRO stage 1 (got optimizer "
                              f"{type(self.optimizer).__name__}): set \"optimizer\" in the config or pass one to "
@@ -86,6 +85,7 @@ class ACCOEngine(DeepSpeedEngine):
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
         acco, groups = self.acco_config, None
+        check_instance(self, "DeepSpeedEngine", ("seq_data_parallel_group", "communication_data_type"))
         if needs_replicas(acco.mode):  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
             dp_ranks = tdist.get_process_group_ranks(self.seq_data_parallel_group or tdist.group.WORLD)
             groups = make_groups(dp_ranks, replica_group_size(acco, len(dp_ranks)), acco.timeout_s)
@@ -121,8 +121,8 @@ class ACCOEngine(DeepSpeedEngine):
         # Stock DeepSpeed sends bf16 + grad_accum_dtype=fp32 to BF16_Optimizer; ACCO keeps ZeRO-1
         # and accumulates in fp32 itself.
         kind = super()._do_optimizer_sanity_check(basic_optimizer)
-        if kind == ds_engine.BFLOAT16 and self.zero_optimization_stage() == 1:
-            return ds_engine.ZERO_OPTIMIZATION
+        if kind == BFLOAT16 and self.zero_optimization_stage() == 1:
+            return ZERO_OPTIMIZATION
         return kind
 
     # -------------------------------------------------------------- backward
@@ -249,7 +249,8 @@ class ACCOEngine(DeepSpeedEngine):
             self._acco_align_rounds()  # the in-flight job must be one every rank submitted
         if isinstance(opt, ACCOZeroOptimizer):
             opt.host_counters = None  # set again by a loaded ACCO state that holds this rank's own counters
-        with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None)):
+        with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None),
+                                    replicas=_replica_ranks(self) is not None):
             out = super().load_checkpoint(load_dir, *args, **kwargs)
         _load_own_counters(self)
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports

@@ -20,7 +20,7 @@ _original_initialize = None  # deepspeed.initialize before patch()
 
 def resolve_config(args, config, config_params) -> dict:
     """The DeepSpeed config as a dict, from any of the places initialize accepts it."""
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    from .compat import load_ds_config
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -34,8 +34,8 @@ def resolve_config(args, config, config_params) -> dict:
 
 @contextlib.contextmanager
 def _acco_engine_class():
-    import deepspeed
-
+    from .compat import package
+    deepspeed = package()
     from .engine import ACCOEngine, ACCOPipelineEngine
     with _lock:
         saved = deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine
@@ -64,13 +64,15 @@ def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
 
 
 def original_initialize():
-    import deepspeed
+    from .compat import package
+    deepspeed = package()
     return _original_initialize or deepspeed.initialize
 
 
 def patch() -> None:
     """Route every later ``deepspeed.initialize`` call through ACCO (idempotent)."""
-    import deepspeed
+    from .compat import package
+    deepspeed = package()
     global _original_initialize
     with _lock:
         if _original_initialize is not None:
@@ -99,16 +101,15 @@ def guard_deepspeed_shm_op() -> None:
     ``FileBaton`` lock. Wrapped here: stale locks are cleared, the wait is
     bounded, and on a timeout DeepSpeed goes on without the op (it accepts None,
     as it does where the op is not compatible) after one warning. Idempotent."""
-    import importlib
-
     from ..ops.builder import JitBuildLock, JitLockTimeout, bounded_torch_baton
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # not deepspeed.comm.torch: that name is torch
+    from .compat import comm_torch
+    ds_torch = comm_torch()
     original = ds_torch.build_shm_op
     if getattr(original, "_acco_guarded", False):
         return
 
     def build_shm_op():
-        from deepspeed.accelerator import get_accelerator
+        from .compat import get_accelerator
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
         if builder is None:
             return original()
@@ -126,7 +127,8 @@ def guard_deepspeed_shm_op() -> None:
 
 
 def unpatch() -> None:
-    import deepspeed
+    from .compat import package
+    deepspeed = package()
     global _original_initialize
     with _lock:
         if _original_initialize is None:
@@ -138,11 +140,8 @@ def unpatch() -> None:
 
 def _unguard_deepspeed_shm_op() -> None:
     """Give DeepSpeed its own ``build_shm_op`` back (``patch()`` wrapped it)."""
-    import importlib
-    try:
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
-    except Exception:  # noqa: BLE001 - a DeepSpeed without that module: nothing was wrapped
-        return
+    from .compat import comm_torch
+    ds_torch = comm_torch()
     wrapped = ds_torch.build_shm_op
     if getattr(wrapped, "_acco_guarded", False):
         ds_torch.build_shm_op = wrapped.__wrapped__

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import List, Tuple
 
 import torch.distributed as tdist
-from deepspeed.runtime.utils import is_model_parallel_parameter
+from .compat import is_model_parallel_parameter
 
 
 def side_group(group, timeout_s: float):

@@ -32,8 +32,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils import logger
+from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 
 from ..algorithms.rounds import SYNC, RoundSchedule
 from ..config import ACCOConfig
@@ -57,12 +56,14 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def __init__(self, *args, acco_config: ACCOConfig, communication_data_type: Optional[torch.dtype] = None,
                  replica_groups=None, **kwargs):
         super().__init__(*args, **kwargs)
+        check_instance(self, "DeepSpeedZeroOptimizer")
         self.acco = acco_config
         self.schedule = self._new_schedule()
 
         from .. import ops
         self.kernels = ops.load_kernels(acco_config.kernels, self.device)
-        self.update = ShardUpdate(self.optimizer, self.single_partition_of_fp32_groups, self.kernels)
+        self.update = ShardUpdate(self.optimizer, self.single_partition_of_fp32_groups, self.kernels,
+                                  fused_adamw=fused_adamw(self.optimizer))
 
         group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
         self.world_size = tdist.get_world_size(group)
@@ -79,9 +80,12 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
             pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.host_memory)
         self.accum_dtype = self.gradient_accumulation_dtype or self.dtype
         self.comm_dtype = communication_data_type or self.dtype
+        # Without overlap (sync rounds, local-SGD inner steps) the job gathers straight into the parameters.
+        overlap = self.schedule.overlaps
         self.buffers = [
             FlatBuffers(flat.numel(), int(self.partition_size[i]), self.world_size, self.dtype, self.accum_dtype,
-                        self.comm_dtype, flat.device, keep_shard=acco_config.mode == "acco")
+                        self.comm_dtype, flat.device, keep_shard=acco_config.mode == "acco",
+                        params=None if overlap else flat)
             for i, flat in enumerate(self.bit16_groups_flat)
         ]
         self._hooks = [
@@ -109,7 +113,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         params = [list(zip(ps, offs)) for ps, offs in zip(self.round_robin_bit16_groups,
                                                           self.round_robin_bit16_offsets)]
         return Shards(self.single_partition_of_fp32_groups, self.bit16_groups_flat,
-                      lambda: [buf.gathered for buf in self.buffers], params)
+                      lambda: [buf.spare() for buf in self.buffers], params)
 
     def _new_schedule(self) -> RoundSchedule:
         gas = self.gradient_accumulation_steps
@@ -171,7 +175,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         wait_s = time.perf_counter() - t0 + self._round_wait_s
         if result is not None:
             for flat, buf in zip(self.bit16_groups_flat, self.buffers):
-                flat.copy_(buf.gathered)
+                buf.install(flat)
             self._after_result(rnd, result)
         self.log.record(rnd.index, rnd.kind, self.local_micro, time.perf_counter() - self._round_start, wait_s,
                         result, counts_previous=rnd.kind != SYNC)
@@ -279,6 +283,17 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         elif load_optimizer_states and state_dict_list is not None:
             logger.warning("ACCO: the checkpoint has no ACCO state (saved without ACCO?); rounds restart "
                            "with a start-up round")
+
+    def _restore_from_bit16_weights(self):
+        # DeepSpeed's load without optimizer states (and load_module_only, through refresh_fp32_params):
+        # the module weights were replaced. What was in flight belongs to the old weights: rounds restart,
+        # and the outer loop starts over from the loaded weights (its anchor is the loaded model).
+        self.view.restore()
+        if self.comm.busy:
+            self.comm.wait()
+        super()._restore_from_bit16_weights()
+        self._reset_rounds()
+        self.outer.restart()
 
     def _reset_rounds(self):
         self.schedule = self._new_schedule()

@@ -18,6 +18,8 @@ import os
 import threading
 from pathlib import Path
 
+# The one DeepSpeed import outside acco_ds/deepspeed/: setup.py loads this file alone, without the
+# package. deepspeed/compat.py lists (and checks at start-up) the same names.
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 

@@ -35,23 +35,36 @@ Stock ZeRO-1 has an fp32 gradient partition (4N/W) where ACCO has ``shard``.
 So with the model dtype used for accumulation and communication (DeepSpeed's
 defaults) ACCO adds one model-sized buffer (bN) plus 4N/W to ZeRO-1, and
 ``grad_accum_dtype="fp32"`` on a 16-bit model adds 4N + 4N/W.
+
+Without overlap (``sync`` rounds, the local-SGD modes' inner steps) the
+compute side is idle while the job runs, so no communication buffer is
+needed: the reduce-scatter reads the accumulator itself (zeroed once read)
+and the all-gather writes straight into the compute parameters
+(``params``). Only an accumulator whose dtype differs from the
+communication dtype needs a cast buffer (numel x size(communication dtype)).
+These modes then cost what stock ZeRO-1 costs.
 """
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from .dtypes import size as _size
 
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
-               comm_dtype: torch.dtype, keep_shard: bool = True) -> Dict[str, int]:
+               comm_dtype: torch.dtype, keep_shard: bool = True, overlap: bool = True) -> Dict[str, int]:
     """Bytes of each buffer ``FlatBuffers`` allocates for one group (the
     memory plan; ``acco_ds.memory`` and the tests use the same function).
-    ``keep_shard``: the mode has estimate rounds (``acco``) and so a kept shard."""
+    ``keep_shard``: the mode has estimate rounds (``acco``) and so a kept shard;
+    ``overlap``: communication overlaps compute (``acco``, ``dpu``)."""
+    if overlap:
+        communication = numel * max(_size(comm_dtype), _size(model_dtype))
+    else:  # a cast buffer only when the accumulator is not already in the communication dtype
+        communication = 0 if accum_dtype == comm_dtype else numel * _size(comm_dtype)
     return {
         "accumulator": numel * _size(accum_dtype),
-        "communication": numel * max(_size(comm_dtype), _size(model_dtype)),
+        "communication": communication,
         "reduced": 0 if comm_dtype == torch.float32 else partition * _size(comm_dtype),
         "shards": partition * (4 + (_size(comm_dtype) if keep_shard else 0)),
     }
@@ -69,6 +82,7 @@ class FlatBuffers:
     comm_dtype: torch.dtype
     device: torch.device
     keep_shard: bool = True  # acco mode: estimate rounds keep their reduced shard
+    params: Optional[torch.Tensor] = None  # no overlap: the compute parameters, which the all-gather writes
 
     def __post_init__(self):
         if self.numel != self.partition * self.world_size:
@@ -78,14 +92,17 @@ class FlatBuffers:
         # torch.empty leaves the pages untouched (no resident memory) until the first round uses them.
         empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)  # noqa: E731
         self.acc = torch.zeros(self.numel, dtype=self.accum_dtype, device=self.device)
-        # The communication buffer holds numel elements of the wider of the two dtypes it is read as.
-        wide = self.comm_dtype if _size(self.comm_dtype) >= _size(self.model_dtype) else self.model_dtype
-        self.comm = empty(self.numel, wide)
+        if self.params is None:
+            # The communication buffer holds numel elements of the wider of the two dtypes it is read as.
+            wide = self.comm_dtype if _size(self.comm_dtype) >= _size(self.model_dtype) else self.model_dtype
+            self.comm = empty(self.numel, wide)
+        else:  # no overlap: reduce-scatter from the accumulator (or a cast of it), gather into the parameters
+            self.comm = empty(0 if self.accum_dtype == self.comm_dtype else self.numel, self.comm_dtype)
         self._reduced = None if self.comm_dtype == torch.float32 else empty(self.partition, self.comm_dtype)
         self.shard = empty(self.partition, torch.float32)
         self.kept = torch.zeros(self.partition if self.keep_shard else 0, dtype=self.comm_dtype, device=self.device)
         self.kept_scale = 1.0  # what ``kept`` is multiplied by to give the fp32 gradient sum
-        self.swap_roles = self.accum_dtype == self.comm_dtype == self.comm.dtype
+        self.swap_roles = self.params is None and self.accum_dtype == self.comm_dtype == self.comm.dtype
 
     @staticmethod
     def _as(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -102,12 +119,29 @@ class FlatBuffers:
     @property
     def send(self) -> torch.Tensor:
         """Reduce-scatter input: the previous round's gradients, communication dtype."""
+        if self.params is not None and self.comm.numel() == 0:
+            return self.acc
         return self._as(self.comm, self.comm_dtype, self.numel)
 
     @property
     def gathered(self) -> torch.Tensor:
-        """All-gather output: the next parameters, model dtype (same storage as ``send``)."""
+        """All-gather output: the next parameters, model dtype (same storage as ``send``; without overlap,
+        the compute parameters themselves)."""
+        if self.params is not None:
+            return self.params
         return self._as(self.comm, self.model_dtype, self.numel)
+
+    def install(self, params: torch.Tensor) -> None:
+        """The gathered parameters become the compute parameters (nothing to copy without overlap)."""
+        if self.params is None:
+            params.copy_(self.gathered)
+
+    def spare(self) -> torch.Tensor:
+        """A flat model-dtype buffer the compute side does not use between rounds: the communication
+        buffer, or without overlap a new one (freed when the caller drops it)."""
+        if self.params is None:
+            return self.gathered
+        return torch.empty(self.numel, dtype=self.model_dtype, device=self.device)
 
     def gathered_part(self, rank: int) -> torch.Tensor:
         return self.gathered.narrow(0, rank * self.partition, self.partition)
@@ -115,12 +149,21 @@ class FlatBuffers:
     def hand_over(self) -> None:
         """Move the accumulated gradients to the communication side and zero
         the accumulator for the next round. Call after the gathered
-        parameters were installed (this overwrites them)."""
+        parameters were installed (this overwrites them). Without overlap and
+        without a cast, the job reads the accumulator itself and ``sent()``
+        zeroes it afterwards."""
+        if self.send is self.acc:
+            return
         if self.swap_roles:
             self.acc, self.comm = self.comm, self.acc
         else:
             self.send.copy_(self.acc)
         self.acc.zero_()
+
+    def sent(self) -> None:
+        """The reduce-scatter has read ``send``: an accumulator it read directly starts the next round zeroed."""
+        if self.send is self.acc:
+            self.acc.zero_()
 
     def nbytes(self) -> Dict[str, int]:
         """Bytes actually allocated, in ``plan_bytes``' terms."""

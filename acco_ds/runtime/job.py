@@ -126,6 +126,7 @@ class RoundJob:
     def reduce_scatter(self) -> None:
         for buf in self.buffers:
             collectives.reduce_scatter(buf.reduced, buf.send, self.group)
+            buf.sent()
 
     def unscale(self):
         """fp32 shard = reduced / loss scale (+ the kept part in a real round);

@@ -243,8 +243,10 @@ class LocalSGD(OuterLoop):
         overlap = ("blocking: nothing hidden" if self.mode == "diloco" else
                    "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
         per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload), " if syncs else ""
-        lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s, "
-                                     f"{overlap} (waited {s['outer_wait_s']:.2f} s)"))
+        reads = s.get("read_syncs") or 0
+        counted = f" over the {syncs - reads} syncs training collected ({reads} collected by a read)" if reads else ""
+        lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s"
+                                     f"{counted}, {overlap} (waited {s['outer_wait_s']:.2f} s)"))
         if self.edit is not None:
             lines.append(("anomalies", f"{s['anomalies']} replica-periods left out of the average"))
         if self.schedule.timed and s["sync_history"]:
@@ -282,7 +284,7 @@ class LocalSGD(OuterLoop):
                              "load_optimizer_states=False, load_lr_scheduler_states=False))")
         if (sd["replicas"], sd["k"]) != (self.groups.replicas, self.groups.k):
             raise checkpoint_mismatch("replica layout (replicas, replica_group_size)", (sd["replicas"], sd["k"]),
-                                      (self.groups.replicas, self.groups.k))
+                                      (self.groups.replicas, self.groups.k), replicas=True)
         self._collect()
         self.wait_sync(read=True)
         self.schedule.load_state_dict(sd["schedule"])
@@ -296,6 +298,19 @@ class LocalSGD(OuterLoop):
             mine = getattr(self, name)
             for dst, src in zip(mine or [], sd[name] or []):
                 dst.copy_(src)
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Anchor, period start ← the current master shards; no momentum, nothing in flight, a new period."""
+        self._collect()
+        self.wait_sync(read=True)
+        for name in ("anchor", "start"):
+            for dst, src in zip(getattr(self, name) or [], self.shards.masters):
+                dst.copy_(src)
+        for buf in (self.momentum or []) + (self.in_flight or []):
+            buf.zero_()
+        self.schedule.restart()
+        self.period_start = self.clock()
 
     def close(self) -> None:
         if self.edit is not None:

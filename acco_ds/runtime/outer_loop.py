@@ -12,7 +12,8 @@ round modes, so the host calls every hook unconditionally:
 * ``before_read``: before anything reads weights or state (finish what is in flight);
 * ``committed_flats``: what users read (the anchor), in flat model-dtype buffers;
 * ``finalize``: leave every replica on one model;
-* ``state_dict`` / ``load_state_dict``: the outer state a checkpoint holds;
+* ``state_dict`` / ``load_state_dict``: the outer state a checkpoint holds; ``restart``: the host's
+  weights were replaced (a load of module weights only), start over from them;
 * ``stats``: the loop's figures (``engine.acco_stats()``); ``banner``, ``report``, ``progress``: its
   start-up words, summary lines and progress words, which the host prints as they are, so a new loop
   is described without host changes;
@@ -114,6 +115,10 @@ class OuterLoop:
 
     def finalize(self) -> None:
         """End of training: leave every replica on one model."""
+
+    def restart(self) -> None:
+        """The host's weights were replaced from outside (a checkpoint load of module weights only): start
+        over from its current master shards, dropping what is in flight."""
 
     def waited_s(self) -> float:
         """Seconds the compute side waited for outer communication so far."""

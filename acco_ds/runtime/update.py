@@ -40,8 +40,12 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return 1.0 / max(1.0, (norm + 1e-6) / max_norm)
 
 
-def fast_adam_kind(opt) -> Optional[str]:
-    """'torch' / 'fused' when the fused update can replace ``opt.step()``, else None."""
+def fast_adam_kind(opt, fused_adamw: Optional[bool] = None) -> Optional[str]:
+    """'torch' / 'fused' when the fused update can replace ``opt.step()``, else None.
+
+    ``fused_adamw`` is the host's word on a fused Adam of its own (the DeepSpeed
+    host recognises ``FusedAdam`` in ``deepspeed/compat.py``): None when ``opt``
+    is not one, else whether it runs in AdamW mode. The runtime imports no host."""
     groups = opt.param_groups
     if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
         for g in groups:
@@ -50,11 +54,7 @@ def fast_adam_kind(opt) -> Optional[str]:
             if torch.is_tensor(g["lr"]) or any(torch.is_tensor(b) for b in g["betas"]):
                 return None
         return "torch"
-    try:
-        from deepspeed.ops.adam import FusedAdam
-    except Exception:  # noqa: BLE001 - optional op
-        FusedAdam = None
-    if FusedAdam is not None and type(opt) is FusedAdam and all(g.get("bias_correction", True) for g in groups):
+    if fused_adamw is not None and all(g.get("bias_correction", True) for g in groups):
         return "fused"
     return None
 
@@ -67,11 +67,14 @@ class ShardUpdate:
             master shards (``masters``), one per group.
         masters: ``single_partition_of_fp32_groups`` of ZeRO-1.
         kernels: ``acco_ds.ops.Kernels`` (native or torch).
+        fused_adamw: the host's fused Adam, if ``optimizer`` is one: whether it
+            runs in AdamW mode (see ``fast_adam_kind``).
     """
 
-    def __init__(self, optimizer, masters: List[torch.Tensor], kernels):
+    def __init__(self, optimizer, masters: List[torch.Tensor], kernels, fused_adamw: Optional[bool] = None):
         self.optimizer, self.masters, self.kernels = optimizer, masters, kernels
-        self.adam = fast_adam_kind(optimizer)
+        self.adam = fast_adam_kind(optimizer, fused_adamw)
+        self.fused_adamw = fused_adamw
 
     @property
     def name(self) -> str:
@@ -110,7 +113,7 @@ class ShardUpdate:
         if self.adam == "torch":
             adamw = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
         else:
-            adamw = bool(self.optimizer.adam_w_mode)
+            adamw = bool(self.fused_adamw)
         beta1, beta2 = group["betas"]
         self.kernels.adamw_update(master, grad, state["exp_avg"], state["exp_avg_sq"], out,
                                   step=int(state["step"]) + 1, lr=float(group["lr"]), beta1=float(beta1),
