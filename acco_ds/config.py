@@ -42,6 +42,22 @@ class ACCOEmulationConfig(_Documented):
     that forward+backward."""
 
 
+class CollectivesConfig(_Documented):
+    """How the reduce-scatter and all-gather of every round (and of the local-SGD inner steps) run over
+    the network. ZeRO-1's partition of each rank is the same in every layout, so checkpoints are too."""
+
+    layout: Literal["auto", "flat", "hierarchical"] = "auto"
+    """``flat``: one collective over the whole ZeRO-1 group. ``hierarchical``: node-aware, first inside
+    each node, then across nodes over rails of ranks with the same local index, so only (R-1)/R of the
+    buffer crosses between nodes per collective (R nodes), the minimum. ``auto``: hierarchical when the
+    group spans more than one node with more than one rank on each, else flat."""
+
+    ranks_per_node: Optional[StrictInt] = Field(None, ge=1)
+    """Ranks on each node; rank r is on node r // ranks_per_node, as launchers number them. Default
+    (``"auto"``): ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (the ``deepspeed`` launcher), else
+    the whole world on one node. ``local_sgd.replica_group_size`` defaults to the same number."""
+
+
 class ACCOConfig(_Documented):
     """Settings of ACCO ("Accumulate While You Communicate", arXiv 2406.02613).
 
@@ -65,7 +81,7 @@ class ACCOConfig(_Documented):
     next. ``dpu``: delayed parameter update, the paper's baseline: the step uses
     the gradient of the previous batch. ``sync``: plain ZeRO-1 (no overlap),
     for A/B comparisons; numerically equal to stock DeepSpeed ZeRO-1.
-    ``diloco``, ``co2``, ``edit``: the local-SGD family (DESIGN.md section 7), set
+    ``diloco``, ``co2``, ``edit``: the local-SGD family (docs/design.md section 2), set
     up by ``local_sgd``; ``edit`` with ``local_sgd.sync_time_s`` is A-EDiT."""
 
     accumulation: Literal["fixed", "adaptive"] = "fixed"
@@ -94,6 +110,9 @@ class ACCOConfig(_Documented):
 
     local_sgd: Optional[LocalSGDConfig] = None
     """Settings of the local-SGD modes (``diloco``, ``co2``, ``edit``): see ``LocalSGDConfig``."""
+
+    collectives: CollectivesConfig = Field(default_factory=CollectivesConfig)
+    """Node-aware or flat round collectives: see ``CollectivesConfig``."""
 
     emulation: ACCOEmulationConfig = Field(default_factory=ACCOEmulationConfig)
     """Benchmark/test only: see ``ACCOEmulationConfig``."""
@@ -267,6 +286,7 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
                             f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
     if acco.local:
         problems += _replica_problems(acco, int(ds_config.world_size))
+    problems += _collectives_problems(acco, _global_world_size(ds_config))
     zc = ds_config.zero_config
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
@@ -282,13 +302,47 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     _raise(problems)
 
 
-def replica_group_size(acco: ACCOConfig, world_size: int) -> int:
-    """k: the configured ``replica_group_size``, or the ranks per node (``LOCAL_WORLD_SIZE``)."""
+def ranks_per_node(acco: ACCOConfig, world_size: int) -> int:
+    """The configured ``collectives.ranks_per_node``, or the launcher's ranks per node, or ``world_size``."""
     import os
+    n = acco.collectives.ranks_per_node
+    if n is None:  # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+        n = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size
+    return int(n)
+
+
+def collectives_layout(acco: ACCOConfig, world_size: int) -> str:
+    """``flat`` or ``hierarchical``: the layout asked for, with ``auto`` resolved (more than one node of
+    more than one rank: hierarchical). ``world_size``: all ranks (nodes are counted in global ranks)."""
+    if acco.collectives.layout != "auto":
+        return acco.collectives.layout
+    n = ranks_per_node(acco, world_size)
+    return "hierarchical" if 1 < n < world_size and world_size % n == 0 else "flat"
+
+
+def _global_world_size(ds_config) -> int:
+    import torch.distributed as tdist
+    return tdist.get_world_size() if tdist.is_initialized() else int(ds_config.world_size)
+
+
+def _collectives_problems(acco: ACCOConfig, world_size: int) -> list:
+    n = ranks_per_node(acco, world_size)
+    how = "acco.collectives.ranks_per_node" + ("" if acco.collectives.ranks_per_node else
+                                               ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE)')
+    if world_size % n:
+        return [f"{how} is {n}, which does not divide the world size {world_size}: set "
+                f"acco.collectives.ranks_per_node to the ranks on each node (a divisor of {world_size})"]
+    if acco.collectives.layout == "hierarchical" and not 1 < n < world_size:
+        return [f'acco.collectives.layout="hierarchical" needs more than one node of more than one rank, but '
+                f"{how} is {n} on {world_size} ranks ({world_size // n} node(s) of {n}): set "
+                f'acco.collectives.ranks_per_node, or layout "auto" or "flat"']
+    return []
+
+
+def replica_group_size(acco: ACCOConfig, world_size: int) -> int:
+    """k: the configured ``replica_group_size``, or the ranks per node (``ranks_per_node``)."""
     k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
-    if k is None:  # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
-        k = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size
-    return int(k)
+    return int(k) if k is not None else ranks_per_node(acco, world_size)
 
 
 def _replica_problems(acco: ACCOConfig, world_size: int) -> list:

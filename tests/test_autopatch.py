@@ -17,6 +17,8 @@ import pytest
 
 from dist import ROOT, free_port, run_in_session
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 HERE = Path(__file__).resolve().parent / "integrations"
 BIN = Path(sys.executable).parent
 PTH = "acco_ds_autopatch.pth"

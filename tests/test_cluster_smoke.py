@@ -12,6 +12,8 @@ import pytest
 
 from dist import ROOT
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 MODES = ["ZeRO-1 (stock)", "acco fixed"]
 
 

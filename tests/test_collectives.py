@@ -164,6 +164,39 @@ def case_async_and_gather(rank, world):
     tdist.barrier()
 
 
+def case_hierarchical(rank, world):
+    """Node-aware reduce-scatter and all-gather (NodeLayout): on 4 ranks as 2 nodes of 2, the sum in node
+    order bit for bit (node sums in local-rank order, then over nodes), exact for integers, and the all-gather
+    in place; groups on one node, with one rank per node or with uneven nodes get no layout (flat)."""
+    import torch.distributed as tdist
+
+    from acco_ds.runtime.collectives import all_gather, node_layout, reduce_scatter
+    layout = node_layout([list(range(world))], 2, flat=None)
+    assert node_layout([list(range(world))], world) is None  # one node
+    assert node_layout([list(range(world))], 1) is None  # one rank per node
+    if world != 4:
+        assert layout is None, layout  # 2 ranks: one node of 2; 3 ranks: nodes of 2 and 1
+        return
+    assert (layout.nodes, layout.per_node) == (2, 2) and str(layout) == "hierarchical (2 nodes x 2 ranks)"
+    assert node_layout([[0, 2], [1, 3]], 2) is None  # each group has one rank per node
+    numel = 1000
+    for dtype, integers in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
+        xs = inputs(world, numel, dtype, seed=11, integers=integers)
+        out = torch.empty(numel, dtype=dtype)
+        reduce_scatter(out, xs[rank].clone(), layout, chunk_elems=96)
+        mine = [x[rank * numel:(rank + 1) * numel] for x in xs]
+        want = (mine[0] + mine[1]) + (mine[2] + mine[3])  # node 0's sum, then node 1's
+        assert same_bits(out, want), (dtype, integers, (out.double() - want.double()).abs().max())
+        if integers:
+            assert same_bits(out, rank_order_sum(xs, rank, numel))
+        full = torch.cat([xs[r][:numel] for r in range(world)])
+        buf = torch.full((world * numel,), float("nan"), dtype=dtype)
+        buf[rank * numel:(rank + 1) * numel] = xs[rank][:numel]
+        all_gather(buf, buf[rank * numel:(rank + 1) * numel], layout)
+        assert same_bits(buf, full)
+    tdist.barrier()
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -211,6 +244,7 @@ def launch(case, world, timeout=100.0):
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", sorted(CASES))

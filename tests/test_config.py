@@ -54,6 +54,9 @@ def test_enabled_takes_only_json_booleans(value):
     ({"enabled": True, "emulation": {"slow_factr": 2}}, 'unknown key "acco.emulation.slow_factr"'),
     ({"enabled": True, "mode": "sync", "accumulation": "adaptive"}, 'accumulation="fixed" with mode="sync"'),
     ("yes", 'must be an object'),
+    ({"enabled": True, "collectives": {"layout": "ring"}}, '"acco.collectives.layout"'),
+    ({"enabled": True, "collectives": {"ranks_per_node": 0}},
+     '"acco.collectives.ranks_per_node": Input should be greater than or equal to 1'),
 ])
 def test_malformed_acco_blocks(block, needle):
     with pytest.raises(ValueError, match="acco") as err:
@@ -69,12 +72,37 @@ def test_malformed_acco_blocks(block, needle):
      "max_micro_batches_per_round (1) is below the minimum of 2"),
     (dict(acco={"mode": "acco"}, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
      "remove offload_optimizer"),
+    (dict(acco={"mode": "acco", "collectives": {"ranks_per_node": 2}}),
+     "acco.collectives.ranks_per_node is 2, which does not divide the world size 1"),
+    (dict(acco={"mode": "sync", "collectives": {"layout": "hierarchical"}}),
+     'acco.collectives.layout="hierarchical" needs more than one node of more than one rank, but '
+     'acco.collectives.ranks_per_node ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE) is 1 on 1 ranks'),
 ])
 def test_unsupported_deepspeed_settings(kw, needle):
     acco = parse_acco_config(common.ds_config(**kw))
     with pytest.raises(ValueError) as err:
         check_deepspeed_config(acco, ds_config(**kw))
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("block, env, world, layout, per_node", [
+    ({}, {}, 4, "flat", 4),  # no launcher variable: one node
+    ({}, {"LOCAL_WORLD_SIZE": "2"}, 4, "hierarchical", 2),  # torchrun, 2 nodes of 2
+    ({}, {"LOCAL_SIZE": "2"}, 4, "hierarchical", 2),  # the deepspeed launcher
+    ({}, {"LOCAL_WORLD_SIZE": "4"}, 4, "flat", 4),  # one node
+    ({}, {"LOCAL_WORLD_SIZE": "1"}, 4, "flat", 1),  # one rank per node: nothing to gain
+    ({"layout": "flat"}, {"LOCAL_WORLD_SIZE": "2"}, 4, "flat", 2),
+    ({"ranks_per_node": 2}, {"LOCAL_WORLD_SIZE": "4"}, 4, "hierarchical", 2),  # the config wins
+])
+def test_collectives_layout_auto_follows_the_launcher(monkeypatch, block, env, world, layout, per_node):
+    from acco_ds.config import collectives_layout, ranks_per_node, replica_group_size
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    acco = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "collectives": block}})
+    assert collectives_layout(acco, world) == layout
+    assert ranks_per_node(acco, world) == per_node == replica_group_size(acco, world)
 
 
 def test_odd_accumulation_is_fine_outside_acco_mode():
@@ -155,7 +183,8 @@ INTEGER_KEYS = sorted(_integer_keys(ACCOConfig))
 
 def test_the_integer_keys_are_found():
     assert {"acco.max_micro_batches_per_round", "acco.local_sgd.sync_every", "acco.local_sgd.replica_group_size",
-            "acco.local_sgd.anomaly.warmup_syncs", "acco.emulation.slow_rank"} <= set(INTEGER_KEYS), INTEGER_KEYS
+            "acco.local_sgd.anomaly.warmup_syncs", "acco.emulation.slow_rank",
+            "acco.collectives.ranks_per_node"} <= set(INTEGER_KEYS), INTEGER_KEYS
 
 
 @pytest.mark.parametrize("path", INTEGER_KEYS)

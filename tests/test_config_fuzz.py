@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from acco_ds.config import ACCOConfig, ACCOEmulationConfig, LocalSGDConfig, check_deepspeed_config, parse_acco_config
+from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, LocalSGDConfig, check_deepspeed_config,
+                            parse_acco_config)
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
@@ -22,6 +23,7 @@ if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the
 KNOWN = set(ACCOConfig.model_fields)
 KNOWN_EMULATION = set(ACCOEmulationConfig.model_fields)
 KNOWN_LOCAL = set(LocalSGDConfig.model_fields)
+KNOWN_COLLECTIVES = set(CollectivesConfig.model_fields)
 # Misspellings, and names that are special to pydantic or DeepSpeedConfigModel.__init__(strict=...).
 TRICKY_KEYS = ["enabld", "Enabled", "mode ", "modes", "accumulate", "kernel", "timeout", "max_micro_batches",
                "emulations", "strict", "self", "model_config", "model_fields", "__class__", "data", "replace_method",
@@ -39,6 +41,9 @@ emulation_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_EMULATION) + ["s
                                    values, max_size=4)
 local_sgd_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_LOCAL) + ["sync_evry", "auto"]),
                                    st.one_of(st.integers(-2, 40), st.floats(-1, 3), values), max_size=4)
+collectives_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_COLLECTIVES) + ["layot", "auto"]),
+                                     st.one_of(st.sampled_from(["auto", "flat", "hierarchical", "ring"]),
+                                               st.integers(-2, 9), values), max_size=3)
 acco_values = {
     "enabled": st.one_of(st.booleans(), values),
     "mode": st.one_of(st.sampled_from(["acco", "dpu", "sync", "diloco", "co2"]), values),
@@ -48,6 +53,7 @@ acco_values = {
     "kernels": st.one_of(st.sampled_from(["auto", "torch", "native"]), values),
     "timeout_s": st.one_of(st.floats(-10, 1e4), values),
     "emulation": st.one_of(emulation_blocks, values),
+    "collectives": st.one_of(collectives_blocks, values),
 }
 
 
@@ -69,9 +75,11 @@ def named(message: str, path: str) -> bool:
 def check_parse(block):
     """parse_acco_config on one block: the config, or None after checking its ValueError."""
     unknown = [f"acco.{k}" for k in block if k not in KNOWN]
-    emulation, local = block.get("emulation"), block.get("local_sgd")
+    emulation, local, coll = block.get("emulation"), block.get("local_sgd"), block.get("collectives")
     if isinstance(emulation, dict):
         unknown += [f"acco.emulation.{k}" for k in emulation if k not in KNOWN_EMULATION]
+    if isinstance(coll, dict):
+        unknown += [f"acco.collectives.{k}" for k in coll if k not in KNOWN_COLLECTIVES]
     if isinstance(local, dict):
         unknown += [f"acco.local_sgd.{k}" for k in local if k not in KNOWN_LOCAL]
     try:
@@ -83,7 +91,8 @@ def check_parse(block):
         if not unknown:  # a bad value: the message names one of the block's keys
             paths = [f"acco.{k}" for k in block] + [f"acco.emulation.{k}" for k in (
                 emulation if isinstance(emulation, dict) else {})] + [f"acco.local_sgd.{k}" for k in (
-                    local if isinstance(local, dict) else {})]
+                    local if isinstance(local, dict) else {})] + [f"acco.collectives.{k}" for k in (
+                        coll if isinstance(coll, dict) else {})]
             assert any(named(message, p) for p in paths), message
         return None
     assert not unknown, f"unknown keys accepted: {unknown}"
@@ -102,6 +111,9 @@ def check_parse(block):
     assert cfg.max_micro_batches_per_round is None or (isinstance(cfg.max_micro_batches_per_round, int)
                                                        and cfg.max_micro_batches_per_round >= 1)
     assert math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0
+    assert cfg.collectives.layout in ("auto", "flat", "hierarchical")
+    n = cfg.collectives.ranks_per_node
+    assert n is None or (type(n) is int and n >= 1)
     em = cfg.emulation
     assert math.isfinite(em.comm_delay_s) and em.comm_delay_s >= 0
     assert math.isfinite(em.slow_factor) and em.slow_factor >= 1 and isinstance(em.slow_rank, int)

@@ -139,6 +139,7 @@ def reference(world, k, clip=0.0, spike=None, period_steps=None, optimizer=INNER
 CASES = [({}, 0.0), ({"anomaly": ANOMALY}, 0.0), ({"weighting": "norm"}, 0.0), ({"pseudo_grad_clip": 0.002}, 0.05)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world, k, cases", [(2, 1, CASES),
                                              (4, 2, [({"anomaly": ANOMALY, "weighting": "norm",
@@ -166,6 +167,7 @@ def test_edit_matches_the_simulator_with_each_penalty_option(world, k, cases):
         assert all((finals[0] - f).abs().max() > 1e-6 for f in finals[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_edit_slow_replica_runs_fewer_steps_and_nobody_waits_more_than_one_step(tmp_path):
     """4 ranks, 2 replicas of 2; rank 3 (replica 1) takes twice as long per micro-batch on an injected
@@ -203,6 +205,7 @@ def test_a_edit_slow_replica_runs_fewer_steps_and_nobody_waits_more_than_one_ste
         assert torch.equal(got["params"][-1], r["params"][-1]), "resume changed the trajectory"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_edit_resume_is_exact_with_the_detector_state(tmp_path):
     cfg = common.ds_config(acco=local(1, anomaly=ANOMALY), gas=GAS, clip=0.05, optimizer=None,

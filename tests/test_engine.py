@@ -10,6 +10,8 @@ from acco_ds.memory import acco_buffer_bytes
 from acco_ds.testing.simulator import flat_params, simulate
 from dist import launch
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 W = 2
 STEPS = 4
 

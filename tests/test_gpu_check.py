@@ -10,6 +10,8 @@ import pytest
 
 from dist import ROOT, run_in_session
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 SECTIONS = ["environment", "build", "correctness", "timing", "training", "local_sgd", "pytest", "summary"]
 MODES = ["stock", "acco", "dpu", "sync"]
 

@@ -12,6 +12,8 @@ import pytest
 import acco_ds
 from dist import ROOT, free_port, run_in_session
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 HERE = Path(__file__).resolve().parent / "integrations"
 BIN = Path(sys.executable).parent
 

@@ -13,6 +13,8 @@ from acco_ds.testing.simulator import simulate_local_sgd
 from dist import launch
 from test_engine import assert_matches
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 GAS, STEPS, H = 2, 6, 2
 
 
@@ -121,9 +123,32 @@ def test_a_checkpoint_from_another_replica_layout_is_refused_with_what_it_holds(
         assert "this local-SGD checkpoint was saved with" in text, text[-3000:]
         assert "it resumes only with the same world size and acco.local_sgd.replica_group_size" in text
         assert "load_optimizer_states=False" in text and "in-flight gradients are per rank" not in text
-    weights_only = launch({"runs": [dict(config=k1, steps=5, load=ckpt, load_kwargs={
-        "load_optimizer_states": False, "load_lr_scheduler_states": False})]}, world_size=2, timeout=300)
+    weights_only = launch({"runs": [dict(config=k1, steps=5, load=ckpt, load_kwargs=kwargs, record_committed=True)
+                                    for kwargs in (
+        {"load_optimizer_states": False, "load_lr_scheduler_states": False}, {"load_module_only": True})]},
+        world_size=2, timeout=300)
     for rank in range(2):
-        r = weights_only[rank][0]
-        assert torch.equal(r["loaded"]["params"], anchor), "the module weights are not the committed anchor"
-        assert r["global_steps"] == 5
+        for r in weights_only[rank]:
+            assert torch.equal(r["loaded"]["params"], anchor), "the module weights are not the committed anchor"
+            assert r["global_steps"] == 5
+            # The outer loop starts over from the loaded weights: a new period, the loaded model as anchor.
+            assert torch.equal(r["committed"][0], anchor), "the outer loop kept the anchor it had before the load"
+
+
+@pytest.mark.timeout(300)
+def test_an_outer_loop_registered_from_outside_the_package_is_driven_by_the_host():
+    """``register_outer_loop("diloco", "outer_probe:CountingLoop")`` in the training process (tests/outer_probe.py,
+    DiLoCo that counts the host's calls): the host builds that loop, calls its hooks, reports its statistics and
+    summary lines as they are, and the run still matches the simulator."""
+    run = dict(config=common.ds_config(acco=local("diloco", 1), gas=GAS), steps=STEPS, record_committed=True,
+               outer_loops={"diloco": "outer_probe:CountingLoop"})
+    results = launch({"runs": [run]}, world_size=2, timeout=240)
+    ref = reference("diloco", 2, 1)
+    for rank in range(2):
+        r = results[rank][0]
+        calls = r["stats"]["probe_calls"]
+        assert calls["attach"] == 1 and calls["after_inner_step"] == STEPS, calls
+        assert calls["before_read"] >= STEPS and calls["committed_flats"] >= STEPS, calls
+        assert ["probe", "counted by a loop registered from outside acco_ds"] in [list(line) for line in r["report"]]
+        assert_matches(r["params"], ref["replicas"][rank])
+        assert_matches(r["committed"], ref["anchor"])

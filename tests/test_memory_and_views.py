@@ -8,6 +8,9 @@ from acco_ds.runtime.buffers import plan_bytes
 from acco_ds.memory import acco_buffer_bytes, estimate_memory, padded_numel
 from dist import launch
 from test_engine import DRIFT_VS_STOCK, STEPS, W, assert_matches, deviation, reference
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

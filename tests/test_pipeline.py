@@ -8,6 +8,8 @@ import common
 from dist import launch
 from test_engine import STEPS, W, assert_matches, reference
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 
 @pytest.mark.timeout(600)
 def test_pipeline_engine_with_acco_matches_the_simulator_and_resumes(tmp_path):

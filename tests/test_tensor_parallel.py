@@ -12,6 +12,8 @@ from acco_ds.testing.simulator import simulate
 from dist import launch
 from test_engine import assert_matches
 
+pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
+
 STEPS, GAS, TP = 4, 4, 2
 
 

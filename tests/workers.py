@@ -102,6 +102,9 @@ def run(spec, rank, world):
         else:
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, common.lr_factor)
     init = acco_ds.initialize if spec.get("use_acco_initialize", True) else deepspeed.initialize
+    for mode, factory in spec.get("outer_loops", {}).items():  # an outer algorithm from outside the package
+        from acco_ds.runtime.outer_loop import register_outer_loop
+        register_outer_loop(mode, factory)
     key = spec.get("config_key", "config")
     engine, _, _, _ = init(model=model, model_parameters=params, **{key: config}, **kwargs)
 
@@ -231,10 +234,12 @@ def run(spec, rank, world):
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
         out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}
+        out["report"] = engine.acco_report()
         out["round_counts"] = [(h.kind, h.worker_micro) for h in engine.optimizer.log.history]
         out["buffer_bytes"] = engine.optimizer.buffer_bytes()
         out["group_numels"] = [f.numel() for f in engine.optimizer.bit16_groups_flat]
         out["optimizer_class"] = type(engine.optimizer).__name__
+        out["collectives"] = str(engine.optimizer.layout or "flat")
     out["lr"] = engine.get_lr()
     out["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", 1.0))
     out["skipped_steps"] = engine.skipped_steps

@@ -19,6 +19,7 @@ def _banner(acco, opt) -> str:
         words = (f"accumulation={acco.accumulation} micro-batches/round={opt.schedule.min_micro}"
                  f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
                  f"world_size={opt.world_size}")
+    words += f" collectives={opt.layout or 'flat'}"
     return (f"ACCO engine: mode={acco.mode} {words} model={dtype_name(opt.dtype)} "
             f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
             f"kernels={opt.kernels.name} update={opt.update.name} "

@@ -32,10 +32,10 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
-from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 
 from ..algorithms.rounds import SYNC, RoundSchedule
-from ..config import ACCOConfig
+from ..config import ACCOConfig, collectives_layout, ranks_per_node
+from ..runtime import collectives
 from ..runtime.buffers import FlatBuffers, allocated_bytes
 from ..runtime.comm import CommWorker
 from ..runtime.host_memory import pin_mmap_threshold
@@ -44,6 +44,7 @@ from ..runtime.outer_loop import OuterLoop, Shards, build_outer_loop
 from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
 from . import checkpoint
+from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 from .parallel import norm_segments, side_group
 from .views import ParamView
 
@@ -71,6 +72,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         side = replica_groups.replica_side if replica_groups is not None else side_group(group, acco_config.timeout_s)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
                                group=side)
+        self.layout = _node_layout(group, side, acco_config)  # None: flat collectives
         # Tensor parallelism: the norm counts each parameter once and is summed over the model-parallel group.
         tp = self.model_parallel_world_size > 1
         self.mp_side = side_group(self.model_parallel_group, acco_config.timeout_s) if tp else None
@@ -199,7 +201,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.comm.submit(RoundJob(rnd, self.buffers, self.single_partition_of_fp32_groups, self.update, self.kept,
                                   self.comm.group, self.rank, self.world_size, local_micro, loss_scale,
                                   loss_divisor=self.gradient_accumulation_steps, norm_segments=self.norm_segments,
-                                  mp_group=self.mp_side,
+                                  mp_group=self.mp_side, layout=self.layout,
                                   clip=self.clip_grad, delay_s=self.acco.emulation.comm_delay_s))
 
     def _after_result(self, rnd, result: CommResult) -> None:
@@ -315,6 +317,19 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``runtime.buffers``)."""
         return allocated_bytes(self.buffers)
+
+
+def _node_layout(group, side, acco: ACCOConfig) -> Optional[collectives.NodeLayout]:
+    """The node-aware layout of this rank's ZeRO-1 group when the hierarchical layout applies (collective
+    over every rank: each ZeRO-1 group's node and rail groups are created everywhere), else None. A group
+    inside one node (a local-SGD replica on its node) stays flat: nothing of it crosses nodes."""
+    world = tdist.get_world_size()
+    if collectives_layout(acco, world) != "hierarchical":
+        return None
+    every = [None] * world
+    tdist.all_gather_object(every, tdist.get_process_group_ranks(group))
+    all_groups = [list(g) for g in sorted({tuple(g) for g in every})]
+    return collectives.node_layout(all_groups, ranks_per_node(acco, world), flat=side, timeout_s=acco.timeout_s)
 
 
 def _slow_down(opt, factor: float) -> None:

@@ -17,12 +17,37 @@ optimal.
 * :func:`all_gather` -- ``all_gather_into_tensor`` (``all_gather_single`` on
   torch releases that renamed it), in place when ``input`` is this rank's
   slice of ``output``.
+
+Node-aware (hierarchical) versions, when ``group`` is a :class:`NodeLayout`:
+a group of ``W = R k`` ranks on ``R`` nodes of ``k`` ranks, group rank
+``r = n k + i`` being local rank ``i`` of node ``n``. Rank ``r`` still owns
+chunk ``r`` of the flat buffer (ZeRO-1's partition does not change, so
+checkpoints are the same as with flat collectives). Reduce-scatter:
+
+1. inside the node, for each node ``n'``: reduce-scatter the ``k`` chunks
+   ``n' k .. n' k + k - 1``, so local rank ``i`` holds the node's sum of
+   chunk ``n' k + i`` (``R`` calls, contiguous input, no permutation copy);
+2. across nodes, over the *rail* of ranks with local index ``i``:
+   reduce-scatter those ``R`` node sums, so rank ``r`` gets chunk ``r``
+   summed over every rank.
+
+All-gather runs the two steps in reverse (rail, then ``R`` intra-node
+all-gathers straight into the output). Only step 2 crosses nodes: each node
+sends ``(R-1)/R`` of the buffer across the cut per collective, the minimum,
+where a flat all-to-all or ring crosses it on every edge. Extra memory: one
+buffer of ``N/k`` elements. Sum order: within each node in local-rank order,
+then over nodes in node order; the owner computes its chunk and the
+all-gather copies it, so every rank holds the same bits.
 """
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
 
-__all__ = ["reduce_scatter", "all_gather", "all_gather_part", "DEFAULT_CHUNK_ELEMS"]
+__all__ = ["reduce_scatter", "all_gather", "all_gather_part", "NodeLayout", "node_layout", "DEFAULT_CHUNK_ELEMS"]
 
 # torch >= 2.13 may rename the flat-tensor collectives; keep working on either name.
 _native_reduce_scatter = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
@@ -58,6 +83,68 @@ def _is_gloo(group, device: torch.device) -> bool:
     return backend == "gloo"
 
 
+@dataclass
+class NodeLayout:
+    """A process group cut into ``nodes`` nodes of ``per_node`` ranks (group rank ``n * per_node + i`` is
+    local rank ``i`` of node ``n``): pass it as the ``group`` of :func:`reduce_scatter` and
+    :func:`all_gather` for the node-aware versions. ``node``: this rank's intra-node group; ``rail``: the
+    ranks with this rank's local index on every node; ``flat``: the whole group (for other collectives)."""
+    nodes: int
+    per_node: int
+    node: object
+    rail: object
+    flat: object
+
+    def __str__(self):
+        return f"hierarchical ({self.nodes} nodes x {self.per_node} ranks)"
+
+
+def node_layout(all_groups: List[List[int]], ranks_per_node: int, flat=None,
+                timeout_s: float = 1800.0) -> Optional[NodeLayout]:
+    """Create the intra-node and rail groups of every group in ``all_groups`` (lists of global ranks, the
+    same list on every rank: this is collective over the default group) and return this rank's layout, or
+    None when its group lies on one node or has one rank per node (flat collectives are optimal then).
+    A rank's node is ``global_rank // ranks_per_node``, as the ``deepspeed`` and ``torchrun`` launchers
+    number ranks node by node. ``flat``: this rank's group itself, kept as ``NodeLayout.flat``."""
+    me, timeout, mine = tdist.get_rank(), timedelta(seconds=timeout_s), None
+    for ranks in all_groups:
+        ranks = sorted(ranks)
+        by_node = {}
+        for r in ranks:
+            by_node.setdefault(r // ranks_per_node, []).append(r)
+        nodes = list(by_node.values())
+        per_node = len(nodes[0])
+        if len(nodes) < 2 or per_node < 2 or any(len(n) != per_node for n in nodes):
+            continue  # one node, one rank per node, or uneven nodes: this group stays flat
+        made_nodes = [tdist.new_group(n, timeout=timeout) for n in nodes]  # every rank creates every group
+        rails = [[n[i] for n in nodes] for i in range(per_node)]
+        made_rails = [tdist.new_group(rail, timeout=timeout) for rail in rails]
+        if me in ranks:
+            n = next(j for j, members in enumerate(nodes) if me in members)
+            mine = NodeLayout(len(nodes), per_node, made_nodes[n], made_rails[nodes[n].index(me)], flat)
+    return mine
+
+
+def _hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor, layout: NodeLayout, chunk_elems: int):
+    P, R, k = output.numel(), layout.nodes, layout.per_node
+    if input.numel() != R * k * P:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {R * k} * {P}")
+    rows = input.view(R, k * P)  # row n: the chunks of node n's ranks
+    node_sums = input.new_empty(R * P)
+    for n in range(R):
+        reduce_scatter(node_sums[n * P:(n + 1) * P], rows[n], layout.node, chunk_elems=chunk_elems)
+    reduce_scatter(output.view(-1), node_sums, layout.rail, chunk_elems=chunk_elems)
+
+
+def _hierarchical_all_gather(output: torch.Tensor, input: torch.Tensor, layout: NodeLayout) -> None:
+    P, R, k = input.numel(), layout.nodes, layout.per_node
+    gathered = input.new_empty(R * P)  # gathered[n]: the chunk of local rank i on node n
+    all_gather(gathered, input.reshape(-1), layout.rail)
+    flat_out = output.view(-1)
+    for n in range(R):
+        all_gather(flat_out[n * k * P:(n + 1) * k * P], gathered[n * P:(n + 1) * P], layout.node)
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
                    async_op: bool = False):
     """``output = sum over ranks r of input_r[rank*P:(rank+1)*P]``, with
@@ -90,6 +177,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, chu
     for W >= 3 they are equal for exactly representable sums (e.g. small
     integers) and may differ in the last bits for random floats.
     """
+    if isinstance(group, NodeLayout):  # node-aware: see the module docstring
+        _hierarchical_reduce_scatter(output, input, group, chunk_elems)
+        return _Completed() if async_op else None
     world = tdist.get_world_size(group)
     if not _is_gloo(group, input.device):
         return _native_reduce_scatter(output, input, op=tdist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -134,7 +224,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     """``output[r*P:(r+1)*P] = input_r`` for every rank r (P = input.numel()),
     torch's ``all_gather_into_tensor``. ``input`` may be this rank's slice of
     ``output`` (in-place all-gather); that works on gloo and NCCL. Returns
-    torch's work handle with ``async_op=True``, else ``None``."""
+    torch's work handle with ``async_op=True``, else ``None`` (a :class:`NodeLayout`
+    group: synchronous, an already-completed handle)."""
+    if isinstance(group, NodeLayout):
+        _hierarchical_all_gather(output, input, group)
+        return _Completed() if async_op else None
     return _native_all_gather(output, input, group=group, async_op=async_op)
 
 

@@ -101,6 +101,7 @@ class RoundJob:
     # and the communication thread's copy of the model-parallel group the norms are summed over.
     norm_segments: Optional[list] = None
     mp_group: object = None
+    layout: object = None  # collectives.NodeLayout: node-aware reduce-scatter and all-gather (None: flat)
 
     def __call__(self) -> CommResult:
         phases = Phases()
@@ -125,7 +126,7 @@ class RoundJob:
     # ---------------------------------------------------------------- phases
     def reduce_scatter(self) -> None:
         for buf in self.buffers:
-            collectives.reduce_scatter(buf.reduced, buf.send, self.group)
+            collectives.reduce_scatter(buf.reduced, buf.send, self.layout or self.group)
             buf.sent()
 
     def unscale(self):
@@ -181,7 +182,7 @@ class RoundJob:
 
     def all_gather(self) -> None:
         for buf, out in zip(self.buffers, self.outputs()):
-            collectives.all_gather(buf.gathered, out, self.group)
+            collectives.all_gather(buf.gathered, out, self.layout or self.group)
 
     # --------------------------------------------------------------- helpers
     def outputs(self) -> List[torch.Tensor]:

@@ -1,6 +1,6 @@
 """Single-process reference simulator of ``acco``, ``dpu`` and ``sync`` training.
 
-This is the test oracle: it writes the update rules of DESIGN.md §1 as
+This is the test oracle: it writes the update rules of docs/design.md section 1 as
 directly as possible, on one flat parameter vector, with ``W`` simulated
 workers that each draw micro-batches from their own stream. It knows nothing
 about threads, shards, buffers or DeepSpeed, so agreement between it and the
@@ -185,7 +185,7 @@ def simulate_local_sgd(mode: str,
                        anomaly: Optional[dict] = None,
                        period_steps: Optional[List[List[int]]] = None,
                        dtype: torch.dtype = torch.float64) -> dict:
-    """``diloco`` / ``co2`` / ``edit`` (DESIGN.md section 7) with ``R = world_size / group_size`` replicas.
+    """``diloco`` / ``co2`` / ``edit`` (docs/design.md section 2) with ``R = world_size / group_size`` replicas.
 
     Replica ``g`` is the ranks ``g*k .. g*k+k-1``; each of its inner steps is
     one full-batch step of its own optimizer on the ``k * gas`` micro-batches
