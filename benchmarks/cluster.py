@@ -13,6 +13,7 @@ of a run that was killed with SIGKILL).
     python benchmarks/cluster.py hetero       # one rank slowed x1.5 and x2
     python benchmarks/cluster.py convergence  # validation loss vs tokens / wall-clock at 200 Mbit
     python benchmarks/cluster.py twonode      # 4 ranks as 2 nodes of 2: ZeRO-1, ACCO, DiLoCo, CO2
+    python benchmarks/cluster.py race         # 2 nodes: every mode trains to 1.01 x stock's final loss
     python benchmarks/cluster.py one --bandwidth 200mbit --mode dpu   # one row again
     python benchmarks/cluster.py smoke        # a few steps on loopback (tests/test_cluster_smoke.py)
     python benchmarks/cluster.py --cleanup    # remove namespaces left by a killed run
@@ -38,479 +39,22 @@ node): ZeRO-1 inside a node, the outer all-reduce between nodes.
 import argparse
 import csv
 import json
-import math
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import cluster_runs as crun
 import harness
+from cluster_convergence import cmd_convergence
+from cluster_runs import (BANDWIDTHS, BLOCK, COMPUTE_STEP_S, GAS, LAYOUTS, MICRO_BS, MODES, PAIR_MODES, RUN_OVERHEAD_S,
+                          STOCK, TWONODE_GAS, TWONODE_MICRO_BS, TWONODE_MODES, Bench, fmt3, ideal_step_s,
+                          optimal_bytes_per_step, param_count, stats3)
+from cluster_twonode import RACE_MODES, cmd_race, cmd_twonode
 from harness import rate_bits
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-TRAIN = ROOT / "benchmarks" / "train_worker.py"
-CONFIGS = {"fixed": "configs/acco_cpu.json", "adaptive": "configs/acco_cpu_adaptive.json"}
-STOCK = "ZeRO-1 (stock)"
-MODES = {  # label -> train_worker.py flags
-    STOCK: ["--mode", "zero1"],
-    "acco_ds sync": ["--mode", "sync"],
-    "dpu": ["--mode", "dpu"],
-    "acco fixed": ["--mode", "acco", "--accumulation", "fixed"],
-    "acco adaptive": ["--mode", "acco", "--accumulation", "adaptive"],
-}
-PAIR_MODES = list(MODES)  # the 2-rank tables
-# The local-SGD family: replica groups of the ranks of one node (added by rank_commands: 1 in the 2-rank
-# layout, 2 in twonode), sync every H inner steps.
-for _m in ("diloco", "co2", "edit"):
-    for _h in (8, 32):
-        MODES[f"{_m} H={_h}"] = ["--mode", _m, "--sync_every", str(_h)]
-# EDiT's penalty (the spike table): anomaly elimination alone; all three parts (+ norm weighting, clip 1.0).
-MODES["edit H=8 +anomaly"] = MODES["edit H=8"] + ["--penalty", "anomaly"]
-MODES["edit H=8 +penalty"] = MODES["edit H=8"] + ["--penalty", "all"]
-# A-EDiT: a replica group syncs every 5 s of wall time (about 8 inner steps at 200 Mbit here).
-MODES["a-edit T=5s"] = ["--mode", "edit", "--sync_time_s", "5"]
-TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32",
-                 "edit H=8", "edit H=32", "a-edit T=5s"]
-LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)
-# twonode: a smaller step (4 ranks share 2 cores): micro-batch 4 x 128 tokens, 2 micro-batches per rank per step.
-TWONODE_MICRO_BS, TWONODE_GAS = 4, 2
-BANDWIDTHS = ["unlimited", "1gbit", "200mbit", "50mbit"]
-GAS, MICRO_BS, BLOCK = 4, 8, 128  # configs/acco_cpu.json: 4 micro-batches of 8 x 128 tokens per rank per step
-# Duration model for the printed estimate (measured on the 2-core AMD EPYC of BENCHMARKS.md).
-RUN_OVERHEAD_S = 9.0  # interpreter + DeepSpeed start-up + first evaluation, per run
-COMPUTE_STEP_S = 0.40  # 4 micro-batches on one core
-
-# ------------------------------------------------------------------------- runs
-
-
-def one_command(bandwidth, mode, steps, warmup, eval_interval, eval_batches, extra=(), tokens=0, layout="pair"):
-    """The harness command that reruns one row (it prints the row's figures)."""
-    cmd = (f"python benchmarks/cluster.py one --bandwidth {bandwidth} --mode {shlex.quote(mode)} --steps {steps} "
-           f"--warmup {warmup} --eval_interval {eval_interval} --eval_batches {eval_batches}")
-    if layout != "pair":
-        cmd += f" --layout {layout}"
-    if tokens:
-        cmd += f" --tokens {tokens}"
-    if extra:
-        cmd += f" --extra {shlex.quote(' '.join(extra))}"
-    return cmd
-
-
-def rank_commands(net, mode_flags, spec, out_json, port, layout="pair"):
-    """(env, argv) of each rank; ``spec`` holds steps/warmup/eval/extra."""
-    config = CONFIGS["adaptive" if "adaptive" in mode_flags else "fixed"]
-    world, per_node = LAYOUTS[layout]
-    base = [sys.executable, str(TRAIN), "--deepspeed_config", str(ROOT / config), "--steps", str(spec["steps"]),
-            "--warmup_steps", str(spec["warmup"]), "--eval_interval", str(spec["eval_interval"]), "--eval_batches",
-            str(spec["eval_batches"]), "--results", str(out_json)] + mode_flags + list(spec.get("extra", []))
-    if "--sync_every" in mode_flags or "--sync_time_s" in mode_flags:
-        base += ["--replica_group_size", str(per_node)]
-    if layout == "twonode":
-        base += ["--micro_batch", str(TWONODE_MICRO_BS), "--gas", str(TWONODE_GAS)]
-    if spec.get("tokens"):
-        base += ["--tokens", str(spec["tokens"])]
-    cores = os.cpu_count() or 1
-    if layout == "twonode":
-        # Node n = ranks n*2, n*2+1 in namespace n, pinned to core n; gloo on that namespace's veth address
-        # (MASTER_ADDR: node A's). Two ranks of one node reach each other over the namespace's loopback.
-        out = []
-        for r in range(world):
-            node = r // per_node
-            env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node), "MASTER_PORT": str(port),
-                   "PYTHONUNBUFFERED": "1", **net.rank_env(node)}
-            out.append((env, net.wrap(node, ["taskset", "-c", str(node % cores)] + base)))
-        return out
-    out = []
-    for r in range(2):
-        # In a namespace each rank is alone on its "node" (LOCAL_RANK 0); on loopback they share one.
-        env = harness.rank_env(r, 2, port, net, local_rank=r if net is None else 0)
-        argv = ["taskset", "-c", str(r % cores)] + base
-        out.append((env, argv if net is None else net.wrap(r, argv)))
-    return out
-
-
-def summarize(result, compute_micro_s):
-    """Per-step figures of one run, over the steps after warm-up."""
-    steps = max(result["measured_steps"], 1)
-    step = result["measured_step_time_s"]
-    acco = result.get("acco") or {}
-    m = acco.get("measured")
-    # Micro-batches one rank computes per committed step (rank 0; adaptive rounds take more than 4).
-    micro = m["micro_batches"] / steps if m else GAS
-    compute = compute_micro_s * micro
-    row = {"samples_per_s": result["measured_samples_per_s"], "step_time_s": step, "micro_per_step": micro,
-           "compute_s": compute, "exposed_comm_s": max(step - compute, 0.0),
-           "final_val_loss": result["final_val_loss"], "first_val_loss": result["first_loss"],
-           "wait_s": None, "comm_busy_s": None, "hidden": None}
-    if m:
-        row["wait_s"] = m["wait_s"] / steps
-        row["comm_busy_s"] = m["comm_s"] / steps
-        row["hidden"] = max(0.0, 1 - m["wait_s"] / m["comm_s"]) if m["comm_s"] > 0 else None
-    if "micro_batches_per_rank" in acco:
-        row["micro_per_rank"] = acco["micro_batches_per_rank"]
-    else:
-        row["micro_per_rank"] = [result["micro_batches"]] * result["world_size"]
-    if result.get("measured_tx_bytes_per_rank"):
-        # Each rank's veth tx_bytes over the measured steps (read by train_worker.py inside its namespace):
-        # start-up broadcasts and the warm-up steps are not in it.
-        row["link_mb_per_step"] = max(result["measured_tx_bytes_per_rank"]) / steps / 1e6
-    elif result.get("link_tx_bytes"):
-        row["link_mb_per_step"] = max(result["link_tx_bytes"]) / max(result["steps"], 1) / 1e6
-    if m and m.get("rounds"):
-        for phase in ("reduce_scatter", "stats_allreduce", "update", "all_gather"):
-            row[f"{phase}_ms_per_round"] = 1e3 * m.get(f"{phase}_s", 0.0) / m["rounds"]
-        row["compute_ms_per_round"] = 1e3 * m["compute_s"] / m["rounds"]
-        row["comm_ms_per_round"] = 1e3 * m["comm_s"] / m["rounds"]
-    return row
-
-
-def node_values(per_rank, per_node=2):
-    """One value per node from per-rank readings: the ranks of a node read the same counters."""
-    return [per_rank[i] for i in range(0, len(per_rank), per_node)] if per_rank else None
-
-
-def summarize_twonode(result, mode):
-    """Per-step figures of one twonode run. Bytes: each node's veth ``tx_bytes`` (what it sent to the other
-    node) and loopback ``tx_bytes`` (what its two ranks sent each other), over the whole training loop: the
-    first step to the end of finalize (the last synchronisation), divided by the inner steps."""
-    steps = max(result["steps"], 1)
-    acco = result.get("acco") or {}
-    m = acco.get("measured")
-    row = {"samples_per_s": result["measured_samples_per_s"], "step_time_s": result["measured_step_time_s"],
-           "steps": result["steps"], "tokens": result["tokens"], "train_time_s": result["train_time_s"],
-           "final_val_loss": result["final_val_loss"], "first_val_loss": result["first_loss"],
-           "final_val_loss_finalized": result.get("final_val_loss_finalized"), "finalize_s": result.get("finalize_s"),
-           "micro_per_step": m["micro_batches"] / max(result["measured_steps"], 1) if m else None,
-           "wait_s": m["wait_s"] / max(result["measured_steps"], 1) if m else None,
-           "hidden": (max(0.0, 1 - m["wait_s"] / m["comm_s"]) if m and m["comm_s"] > 0 else None)}
-    for key in ("syncs", "outer_comm_s", "outer_wait_s", "outer_hidden_fraction"):
-        row[key] = acco.get(key)
-    nodes = node_values(result.get("run_tx_bytes_per_rank"))
-    if nodes:
-        row["inter_node_bytes"] = nodes
-        row["inter_mb_per_step"] = max(nodes) / steps / 1e6
-        row["same_node_readings_agree"] = all(
-            abs(a - b) <= 0.01 * max(a, b, 1) for a, b in zip(result["run_tx_bytes_per_rank"][0::2],
-                                                            result["run_tx_bytes_per_rank"][1::2]))
-    lo = node_values(result.get("run_lo_tx_bytes_per_rank"))
-    if lo:
-        row["intra_node_bytes"] = lo
-        row["intra_mb_per_step"] = max(lo) / steps / 1e6
-    after = sorted(result.get("after_destroy") or [], key=lambda d: d["rank"])
-    if after:
-        row["inter_node_bytes_after_destroy"] = node_values([d["tx_bytes_after_destroy"] for d in after])
-        row["inter_mb_per_step_after_destroy"] = max(row["inter_node_bytes_after_destroy"]) / steps / 1e6
-    window = node_values(result.get("measured_tx_bytes_per_rank"))
-    if window:
-        row["inter_mb_per_step_window"] = max(window) / max(result["measured_steps"], 1) / 1e6
-    row["history"] = [(p["step"], p["tokens"], round(p["time"], 3), p["val_loss"]) for p in result["history"]]
-    return row
-
-
-def ideal_step_s(mode, compute_s, link_s):
-    """What the schedule allows with a perfect overlap: ACCO and DPU hide the link time behind compute
-    (max(P, 2C) for ACCO's two rounds of C each, max(P, C) for DPU), ZeRO-1 and sync add it (P + C).
-    ``link_s`` is the measured bytes of one step at the configured rate."""
-    if link_s is None:
-        return compute_s
-    if mode in (STOCK, "acco_ds sync"):
-        return compute_s + link_s
-    return max(compute_s, link_s)
-
-
-def stats3(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
-
-
-def fmt3(s, digits=1, unit=""):
-    if s is None:
-        return "–"
-    return f"{s[0]:.{digits}f}{unit} ({s[1]:.{digits}f}–{s[2]:.{digits}f})"
-
-
-class Bench:
-    """The runs of one command: the namespaces (created once, re-limited per bandwidth), the compute
-    calibration, the run records (cluster_runs_<command>.jsonl) and the rows of the CSV."""
-
-    def __init__(self, args):
-        self.args = args
-        self.net = None
-        self.rows = []  # summarized runs, for the CSV
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        mode = "a" if args.command == "one" else "w"
-        self.log = open(RESULTS / f"cluster_runs_{args.command}.jsonl", mode)
-        self.compute_micro_s = None
-        self.link = {}
-        self.layout = getattr(args, "layout", "pair")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        if self.net is not None:
-            net, self.net = self.net, None
-            net.close()
-            print(f"network: namespaces {net.ns[0]}, {net.ns[1]} removed", flush=True)
-        if not self.log.closed:
-            self.log.close()
-
-    def network(self, bandwidth):
-        if bandwidth == "unlimited" and self.layout == "pair":
-            return None
-        if self.net is None:
-            self.raw_network()
-        if bandwidth == "unlimited":  # twonode: the same veth pair, no qdisc (bytes still counted)
-            if self.net.rate is not None:
-                self.net.unlimit()
-        elif self.net.rate != bandwidth:
-            self.net.limit(bandwidth)
-        return self.net
-
-    def raw_network(self):
-        """The namespaces before any tbf limit is set (for the link check)."""
-        if self.net is None:
-            self.net = harness.Network("bench" if self.layout == "pair" else "twonode")
-            print(f"network: namespaces {self.net.describe()}, veth pair", flush=True)
-        return self.net
-
-    def run(self, bandwidth, mode, spec, repeat=0, tag=""):
-        """One training run on 2 ranks; returns rank 0's results JSON (plus link byte counts)."""
-        net = self.network(bandwidth)
-        out_dir = Path(tempfile.mkdtemp(prefix="acco_cluster_"))
-        cmds = rank_commands(net, MODES[mode], spec, out_dir / "result.json", harness.free_port(), self.layout)
-        before = net.tx_bytes() if net else None
-        before_lo = net.lo_tx_bytes() if net else None
-        t0 = time.perf_counter()
-        with harness.RankSet(cmds, out_dir, f"{mode} at {bandwidth}") as ranks:
-            ranks.finish(self.args.run_timeout)
-        wall = time.perf_counter() - t0
-        result = json.loads((out_dir / "result.json").read_text())
-        if net:
-            # Whole run, from outside (start-up broadcasts and evaluations included).
-            result["link_tx_bytes"] = [a - b for a, b in zip(net.tx_bytes(), before)]
-            result["lo_tx_bytes"] = [a - b for a, b in zip(net.lo_tx_bytes(), before_lo)]
-        result["after_destroy"] = [json.loads(f.read_text()) for f in sorted(out_dir.glob("result.json.rank*"))]
-        shutil.rmtree(out_dir, ignore_errors=True)
-        extra = list(spec.get("extra", []))
-        row = summarize(result, self.calibrate()) if self.layout == "pair" else summarize_twonode(result, mode)
-        record = {"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": extra, "repeat": repeat,
-                  "wall_s": wall, "command": one_command(bandwidth, mode, spec["steps"], spec["warmup"],
-                                                         spec["eval_interval"], spec["eval_batches"], extra,
-                                                         spec.get("tokens", 0), self.layout),
-                  "rank_commands": [harness.shell_line(env, argv) for env, argv in cmds], "row": row,
-                  "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"]}
-        self.log.write(json.dumps(record) + "\n")
-        self.log.flush()
-        self.rows.append({"tag": tag, "bandwidth": bandwidth, "mode": mode, "extra": " ".join(extra),
-                          "repeat": repeat, "wall_s": round(wall, 2), **{k: v for k, v in row.items()}})
-        print(f"  {tag:<11} {bandwidth:>9}  {mode:<15} {' '.join(extra):<30} {row['samples_per_s']:7.1f} samples/s "
-              f"{row['step_time_s']:.3f} s/step  val {row['final_val_loss']:.3f}  ({wall:.0f} s)", flush=True)
-        result["_record"] = record
-        return result
-
-    def calibrate(self):
-        """Compute time per micro-batch with no communication at all: two world-size-1 runs at the same
-        time, one per core (the same per-core load as the 2-rank runs), stock ZeRO-1, same micro-batches."""
-        if self.compute_micro_s is None:
-            out_dir = Path(tempfile.mkdtemp(prefix="acco_calib_"))
-            cmds = []
-            for r in range(2):
-                env = harness.rank_env(0, 1, harness.free_port())
-                argv = ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, str(TRAIN),
-                        "--deepspeed_config", str(ROOT / CONFIGS["fixed"]), "--mode", "zero1", "--steps",
-                        str(self.args.steps), "--warmup_steps", str(self.args.warmup), "--eval_interval", "1000000",
-                        "--eval_batches", "2", "--seed", str(1234 + r), "--results", str(out_dir / f"r{r}.json")]
-                cmds.append((env, argv))
-            with harness.RankSet(cmds, out_dir, "compute calibration") as ranks:
-                ranks.finish(self.args.run_timeout)
-            steps = [json.loads((out_dir / f"r{r}.json").read_text())["measured_step_time_s"] for r in range(2)]
-            shutil.rmtree(out_dir, ignore_errors=True)
-            self.compute_micro_s = statistics.mean(steps) / GAS
-            self.calibration_cmd = harness.shell_line(*cmds[0]) + "  (and the same on core 1, concurrently)"
-            print(f"compute, no communication (world size 1, both cores busy): {statistics.mean(steps):.3f} s per "
-                  f"step of {GAS} micro-batches ({', '.join(f'{s:.3f}' for s in steps)})", flush=True)
-        return self.compute_micro_s
-
-
-# ----------------------------------------------------------------------- tables
-
-
-def param_count():
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_gpt import GPT
-    return sum(p.numel() for p in GPT().parameters())
-
-
-def optimal_bytes_per_step(n, mode):
-    """The fewest bytes one rank must send per committed step, fp32 (4 bytes), W = 2: a bandwidth-optimal
-    reduce-scatter or all-gather sends (W-1)/W of the buffer. Stock ZeRO-1 all-reduces the gradients (4N) and
-    all-gathers the parameters (2N); each ACCO round reduce-scatters (2N) and all-gathers (2N), two rounds per
-    step; DPU and sync one round. (The small all-reduce of counts and norms is not counted.)"""
-    return {STOCK: 6 * n, "acco_ds sync": 4 * n, "dpu": 4 * n}.get(mode, 8 * n)
-
-
-def ideal_internode_bytes_per_step(n, mode):
-    """The fewest bytes one node must send to the other per inner step, fp32 (4 bytes a parameter), 2 nodes,
-    whatever the ranks per node (node-aware collectives: only node sums cross). An all-reduce of the gradients
-    between 2 nodes: each sends half of its node's sum (2N) and gets the reduced half back (2N), 4N; an
-    all-gather of the parameters: the other node's half, 2N. Stock ZeRO-1: 4N + 2N = 6N; ACCO: 2 rounds of
-    (reduce-scatter 2N + all-gather 2N) = 8N; sync and DPU 4N; diloco and co2: one all-reduce of the model
-    (4N) per sync, every H inner steps: 4N / H; edit the same; A-EDiT (T=) 4N per sync it measured (None here)."""
-    if "H=" in mode:
-        return 4 * n / int(mode.split("H=")[1].split()[0])
-    if "T=" in mode:
-        return None
-    return optimal_bytes_per_step(n, mode)
-
-
-def first_reach(history, target):
-    """(training time, tokens) of the first validation at or below ``target`` (no interpolation: the
-    local-SGD modes' committed model only moves at a sync), or None."""
-    for p in history:
-        if p["val_loss"] <= target:
-            return p["time"], p["tokens"]
-    return None
-
-
-def cmd_twonode(h):
-    a = h.args
-    spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
-            "tokens": a.tokens, "extra": a.extra.split() if a.extra else []}
-    runs, failed = {}, {}
-    for bw in a.bandwidths:
-        for mode in a.modes:
-            try:
-                runs[(bw, mode)] = h.run(bw, mode, spec, tag="twonode")
-            except RuntimeError as err:  # one failed row must not lose the others: reported below the table
-                failed[(bw, mode)] = str(err)[-3000:]
-                print(f"  twonode {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
-    a.modes = [m for m in a.modes if any((bw, m) in runs for bw in a.bandwidths)]
-    n = param_count()
-    finals = [r["final_val_loss"] for r in runs.values()]
-    target_a = a.target if a.target else math.ceil(max(finals) * 100) / 100
-    lines = [twonode_text(n, a, target_a), "",
-             "| bandwidth | mode | samples/s | speedup vs ZeRO-1 | s/step | inter-node MB/step measured | ideal | "
-             "measured / ideal | intra-node (lo) MB/step | val loss at equal tokens (committed) | after finalize | "
-             f"time to {target_a:.2f} (s) | time to 1.02× ZeRO-1's final (s) | outer comm s / waited s (waited %) | "
-             "syncs |", "|---" * 15 + "|"]
-    table = []
-    for bw in a.bandwidths:
-        stock = runs.get((bw, STOCK))
-        target_b = 1.02 * stock["final_val_loss"] if stock else None
-        for mode in a.modes:
-            r = runs.get((bw, mode))
-            if r is None:
-                lines.append(f"| {bw} | {mode} | failed (below) |" + " |" * 13)
-                continue
-            row = r["_record"]["row"]
-            ideal = ideal_internode_bytes_per_step(n, mode)
-            ideal = (ideal if ideal is not None else 4 * n * (row.get("syncs") or 0) / max(row["steps"], 1)) / 1e6
-            reach_a = first_reach(r["history"], target_a)
-            reach_b = first_reach(r["history"], target_b) if target_b else None
-            speed = r["measured_samples_per_s"] / stock["measured_samples_per_s"] if stock else None
-            outer = "–"
-            if row.get("outer_comm_s"):
-                outer = (f"{row['outer_comm_s']:.2f} / {row['outer_wait_s']:.2f} "
-                         f"({100 * row['outer_wait_s'] / row['outer_comm_s']:.1f}%)")
-            fin = row.get("final_val_loss_finalized")
-            lines.append(
-                f"| {bw} | {mode} | {row['samples_per_s']:.1f} | {'–' if speed is None else f'{speed:.2f}x'} | "
-                f"{row['step_time_s']:.3f} | {row.get('inter_mb_per_step', float('nan')):.3f} | {ideal:.3f} | "
-                f"{row.get('inter_mb_per_step', float('nan')) / ideal:.2f}x | "
-                f"{row.get('intra_mb_per_step', float('nan')):.2f} | {row['final_val_loss']:.3f} | "
-                f"{'–' if fin is None else f'{fin:.3f}'} | "
-                f"{'not reached' if reach_a is None else f'{reach_a[0]:.1f}'} | "
-                f"{'not reached' if reach_b is None else f'{reach_b[0]:.1f}'} | {outer} | "
-                f"{'–' if row.get('syncs') is None else row['syncs']} |")
-            table.append({"bandwidth": bw, "mode": mode, "ideal_mb_per_step": ideal, "speedup": speed,
-                          "time_to_target_a": reach_a, "target_a": target_a, "time_to_target_b": reach_b,
-                          "target_b": target_b, **row, "command": r["_record"]["command"]})
-    co2 = runs.get(("50mbit", "co2 H=32"))
-    if co2 and co2["_record"]["row"].get("outer_comm_s"):
-        row = co2["_record"]["row"]
-        lines += ["", f"co2 H=32 at 50mbit: the compute side waited {row['outer_wait_s']:.3f} s for "
-                      f"{row['outer_comm_s']:.3f} s of outer all-reduce on the communication thread = "
-                      f"{100 * row['outer_wait_s'] / row['outer_comm_s']:.1f}% (before finalize)."]
-    lines += ["", "Where the bytes went (MB over the training loop, first step to the end of finalize; node A / "
-                  "node B; \"after destroy\": the veth counter once the engine's threads were closed):", "",
-              "| bandwidth | mode | inter-node (veth) A / B | after destroy A / B | intra-node (lo) A / B | ranks of a "
-              "node read the same veth counter |", "|---|---|---|---|---|---|"]
-    for (bw, mode), r in runs.items():
-        row = r["_record"]["row"]
-        mb = lambda v: "–" if not v else " / ".join(f"{x / 1e6:.2f}" for x in v)  # noqa: E731
-        lines.append(f"| {bw} | {mode} | {mb(row.get('inter_node_bytes'))} | "
-                     f"{mb(row.get('inter_node_bytes_after_destroy'))} | {mb(row.get('intra_node_bytes'))} | "
-                     f"{row.get('same_node_readings_agree')} |")
-    for (bw, mode), err in failed.items():
-        lines += ["", f"**{mode} at {bw} failed**:", "", "```", err, "```"]
-    cmds = [r["_record"]["command"] for r in runs.values()]
-    text = "\n".join(lines) + "\n\nEach row (one run):\n\n" + "\n".join(f"    {c}" for c in cmds)
-    pngs = plot_twonode(runs, a.bandwidths, a.modes, target_a)
-    text += "".join(f"\n\n![{p.stem}]({p.relative_to(ROOT) if p.is_relative_to(ROOT) else p})" for p in pngs)
-    print("\n" + text)
-    h.tables["twonode"] = table
-    return "### Two nodes: local-SGD vs ACCO\n\n" + text
-
-
-def twonode_text(n, a, target_a):
-    per_step = TWONODE_MICRO_BS * TWONODE_GAS * 4 * BLOCK
-    return (f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), micro-batch {TWONODE_MICRO_BS} x {BLOCK} tokens, "
-            f"{TWONODE_GAS} micro-batches per rank per inner step (acco adaptive: as many as the link allows, up to "
-            f"8 per round), 4 ranks as 2 nodes of 2 (one core per node, shared by its 2 ranks), token budget "
-            f"{a.tokens:,} ({a.tokens // per_step} inner steps of {per_step:,} tokens), "
-            f"validation every {a.eval_interval} inner steps on {a.eval_batches} held-out batches (the committed "
-            f"model: for diloco/co2 the last global model, which moves only at a sync). samples/s: after {a.warmup} "
-            f"warm-up steps, evaluations excluded. Bytes: each node's veth tx counter over the training loop (first "
-            f"step to the end of finalize, TCP/IP headers included) / inner steps, the larger node; ideal "
-            f"(`ideal_internode_bytes_per_step`, node-aware collectives, fp32): ZeRO-1 6N = {6 * n / 1e6:.2f} MB, "
-            f"ACCO 8N = {8 * n / 1e6:.2f} MB, diloco/co2 4N/H = {4 * n / 8e6:.3f} MB (H=8), {4 * n / 32e6:.3f} MB "
-            f"(H=32). Time to target: training time (no start-up, no evaluations) at the first validation at or "
-            f"below it. Target {target_a:.2f}: the highest validation loss any row ends at (so every row reaches "
-            f"it); the second target: 1.02 × stock ZeRO-1's final validation loss at the same bandwidth.")
-
-
-def plot_twonode(runs, bandwidths, modes, target):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plots")
-        return []
-    fig, axes = plt.subplots(1, len(bandwidths), figsize=(5.2 * len(bandwidths), 4.2), sharey=True, squeeze=False)
-    for ax, bw in zip(axes[0], bandwidths):
-        for mode in modes:
-            r = runs.get((bw, mode))
-            if r is None:
-                continue
-            hist = r["history"]
-            ax.plot([p["time"] for p in hist], [p["val_loss"] for p in hist], marker=".",
-                    drawstyle="steps-post" if "H=" in mode else "default", label=mode)
-        ax.axhline(target, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{bw} between nodes")
-        ax.set_xlabel("training time (s, no evaluations)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("validation loss (committed model)")
-    axes[0][0].set_ylim(top=min(axes[0][0].get_ylim()[1], 5.6))
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS / "cluster_twonode.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
 
 
 def workload_text(compute_step):
@@ -669,95 +213,6 @@ def cmd_hetero(h):
     return "### Heterogeneous workers\n\n" + text
 
 
-def interpolate_to(history, target, key):
-    """First ``key`` (time or tokens) at which the validation loss reaches ``target``, linear between evaluations."""
-    prev = None
-    for p in history:
-        if p["val_loss"] <= target:
-            if prev is None:
-                return p[key]
-            f = (prev["val_loss"] - target) / (prev["val_loss"] - p["val_loss"])
-            return prev[key] + f * (p[key] - prev[key])
-        prev = p
-    return None
-
-
-def loss_at(history, step):
-    return min(history, key=lambda p: abs(p["step"] - step))
-
-
-def cmd_convergence(h):
-    a = h.args
-    bw = a.convergence_bandwidth
-    spec = {"steps": 0, "warmup": 0, "eval_interval": a.convergence_eval_interval,
-            "eval_batches": a.convergence_eval_batches, "tokens": a.tokens}
-    results = {mode: h.run(bw, mode, spec, tag="convergence") for mode in a.convergence_modes}
-    json.dump({m: r["history"] for m, r in results.items()}, open(RESULTS / "cluster_convergence.json", "w"), indent=1)
-    base = results.get(STOCK) or next(iter(results.values()))
-    target = base["final_val_loss"] * a.target_ratio
-    steps = base["steps"]
-    early = [max(a.convergence_eval_interval, round(steps * f / a.convergence_eval_interval) *
-                 a.convergence_eval_interval) for f in (0.1, 0.25)]
-    lines = [f"Bandwidth {bw}; token budget {base['tokens']:,} ({steps} steps of {base['tokens'] // steps:,} tokens); "
-             f"validation every {a.convergence_eval_interval} steps on {a.convergence_eval_batches} held-out batches "
-             f"(the last 10% of the corpus); one run per mode. Wall-clock = training time without start-up and "
-             f"without the evaluations. Target loss = {a.target_ratio} × ZeRO-1's final validation loss = "
-             f"{target:.3f}.", "",
-             f"| mode | final val loss | vs ZeRO-1 | val loss at step {early[0]} / {early[1]} | train time (s) | "
-             f"time to target (s) | tokens to target |", "|---|---|---|---|---|---|---|"]
-    table = []
-    for mode, r in results.items():
-        ttt = interpolate_to(r["history"], target, "time")
-        tok = interpolate_to(r["history"], target, "tokens")
-        e = [loss_at(r["history"], s) for s in early]
-        lines.append(f"| {mode} | {r['final_val_loss']:.3f} | "
-                     f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.1f}% | "
-                     f"{e[0]['val_loss']:.3f} / {e[1]['val_loss']:.3f} | {r['train_time_s']:.1f} | "
-                     f"{'not reached' if ttt is None else f'{ttt:.1f}'} | "
-                     f"{'not reached' if tok is None else f'{tok / 1e6:.2f}M'} |")
-        table.append({"mode": mode, "final_val_loss": r["final_val_loss"], "train_time_s": r["train_time_s"],
-                      "time_to_target_s": ttt, "tokens_to_target": tok, "target": target,
-                      "command": r["_record"]["command"]})
-    pngs = plot(results, bw, target)
-    text = "\n".join(lines) + "\n\n" + "\n".join(f"![{p.stem}]({p.relative_to(ROOT) if p.is_relative_to(ROOT) else p})"
-                                                for p in pngs)
-    text += "\n\nEach row:\n\n" + "\n".join(f"    {t['command']}" for t in table)
-    print("\n" + text)
-    h.tables["convergence"] = table
-    return "### Convergence\n\n" + text
-
-
-def plot(results, bw, target):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plots")
-        return []
-    n = param_count()
-    paths = []
-    for key, xlabel, name in (("tokens", "training tokens (M)", "tokens"),
-                              ("time", "wall-clock training time (s, without evaluation)", "time")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for mode, r in results.items():
-            xs = [p[key] / (1e6 if key == "tokens" else 1) for p in r["history"]]
-            ax.plot(xs, [p["val_loss"] for p in r["history"]], marker=".", label=mode)
-        ax.axhline(target, color="grey", lw=0.8, ls="--", label=f"target {target:.3f}")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation loss (held-out stdlib source)")
-        ax.set_ylim(top=min(ax.get_ylim()[1], 4.5))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.set_title(f"GPT {n / 1e6:.2f}M, 2 CPU ranks, {bw} link (tbf)")
-        fig.tight_layout()
-        path = RESULTS / f"cluster_convergence_{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def cmd_one(h):
     a = h.args
     extra = a.extra.split() if a.extra else []
@@ -791,7 +246,7 @@ def estimate_s(args, parts):
         return RUN_OVERHEAD_S + steps * step
 
     total = RUN_OVERHEAD_S
-    if "twonode" in parts:  # 4 ranks on 2 cores: twice the compute per step, a slower start
+    if "twonode" in parts or "race" in parts:  # 4 ranks on 2 cores: twice the compute per step, a slower start
         for bw in args.bandwidths:
             for m in args.modes:
                 rate = None if bw == "unlimited" else rate_bits(bw) / 8
@@ -836,11 +291,11 @@ def machine_line(layout="pair"):
 
 
 def main():
-    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("command", nargs="?", default="all",
-                   choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke", "twonode"])
+                   choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke", "twonode",
+                            "race"])
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run, and exit")
     p.add_argument("--bandwidths", type=lambda s: s.split(","), default=BANDWIDTHS,
                    help="comma-separated: unlimited (loopback), or a tbf rate such as 1gbit, 200mbit, 50mbit")
@@ -869,12 +324,15 @@ def main():
                    help="twonode: target validation loss (default: the highest final loss of any row)")
     p.add_argument("--extra", default="", help="`one`, `twonode`: extra train_worker.py flags for every run "
                    "(e.g. \"--slow_rank 3 --slow_factor 2\": the heterogeneous table)")
+    p.add_argument("--race_ratio", type=float, default=1.01, help="race: target = ratio x stock's final loss")
+    p.add_argument("--race_cap", type=float, default=3.0, help="race: time cap = this x stock's training time")
+    p.add_argument("--race_eval_interval", type=int, default=4, help="race: inner steps between validations")
     p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--results_dir", "--out", default=None,
                    help="where tables, run records and plots go (default benchmarks/results)")
     args = p.parse_args()
     if args.results_dir:
-        RESULTS = Path(args.results_dir).resolve()
+        crun.RESULTS = Path(args.results_dir).resolve()
     if args.cleanup:
         if harness.namespaces_unavailable():
             raise SystemExit(f"--cleanup: {harness.namespaces_unavailable()}")
@@ -882,6 +340,16 @@ def main():
         return
     if args.command == "smoke":
         args.bandwidths, args.repeats, args.steps, args.warmup = ["unlimited"], 1, 2, 1
+    if args.command == "race":  # the twonode layout at 200 and 50 Mbit, every mode to stock's loss
+        args.layout = "twonode"
+        if args.bandwidths == p.get_default("bandwidths"):
+            args.bandwidths = ["200mbit", "50mbit"]
+        args.modes = args.modes or list(RACE_MODES)
+        args.steps = 64 if args.steps == p.get_default("steps") else args.steps
+        if args.eval_batches == p.get_default("eval_batches"):
+            args.eval_batches = 16
+        if args.tokens == p.get_default("tokens"):
+            args.tokens = args.steps * TWONODE_MICRO_BS * TWONODE_GAS * LAYOUTS["twonode"][0] * BLOCK
     if args.command == "twonode":
         # 64 inner steps of 16,384 tokens (2 syncs at H=32), validation every 8, unlimited/200/50 Mbit.
         args.layout = "twonode"
@@ -905,9 +373,9 @@ def main():
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; known: {', '.join(MODES)}")
     parts = {"all": ["netcheck", "throughput", "hetero", "convergence"], "smoke": ["throughput"],
-             "twonode": ["netcheck", "twonode"]}.get(args.command, [args.command])
+             "twonode": ["netcheck", "twonode"], "race": ["netcheck", "race"]}.get(args.command, [args.command])
     needs_ns = [b for b in args.bandwidths if (b != "unlimited" or args.layout == "twonode")
-                and set(parts) & {"netcheck", "throughput", "one", "twonode"}]
+                and set(parts) & {"netcheck", "throughput", "one", "twonode", "race"}]
     needs_ns += [b for part, b in (("hetero", args.hetero_bandwidth), ("convergence", args.convergence_bandwidth))
                  if part in parts and b != "unlimited"]
     reason = harness.namespaces_unavailable() if needs_ns else None
@@ -933,7 +401,7 @@ def main():
                 print(workload_text(h.calibrate() * GAS), flush=True)
             for part in parts:
                 section = {"netcheck": cmd_netcheck, "throughput": cmd_throughput, "hetero": cmd_hetero,
-                           "convergence": cmd_convergence, "twonode": cmd_twonode}[part](h)
+                           "convergence": cmd_convergence, "twonode": cmd_twonode, "race": cmd_race}[part](h)
                 if section:
                     sections.append(section)
         except KeyboardInterrupt as e:
@@ -950,7 +418,7 @@ def main():
                       f"the timings (and DeepSpeed start-up and evaluation never count).") + (
                       f" Compute without communication: `{h.calibration_cmd}`." if h.compute_micro_s else ""))
         text = header + "\n\n" + "\n\n".join(sections) + "\n"
-        stem = RESULTS / f"cluster_{args.command}"
+        stem = crun.RESULTS / f"cluster_{args.command}"
         stem.with_suffix(".md").write_text(text)
         json.dump({"command": command, "machine": machine_line(args.layout), "took_s": took, "estimate_s": est,
                    "compute_micro_s": h.compute_micro_s, "tables": h.tables}, open(stem.with_suffix(".json"), "w"),

@@ -23,17 +23,14 @@ ran, 1 when one failed, 2 when --device cuda finds no CUDA device.
 import argparse
 import contextlib
 import gc
-import glob
 import json
 import os
 import platform
 import resource
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
-import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -53,8 +50,10 @@ args = p.parse_args()
 os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+
+import gpu_model  # noqa: E402 - benchmarks/ is on sys.path: this script's folder
+from gpu_kernels import adam_inputs, rel_err, timeit  # noqa: E402
+from gpu_model import GPT, load_corpus  # noqa: E402
 
 T0 = time.perf_counter()
 DEV, TINY = args.device, args.tiny
@@ -62,8 +61,7 @@ CUDA = DEV == "cuda"
 STEPS = args.steps or (6 if TINY else 300)
 MICRO = args.micro_batch or (2 if TINY else 8)
 GAS = 2  # even: acco mode splits each step into two rounds
-SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256) if TINY else \
-    dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+SHAPE = gpu_model.TINY_SHAPE if TINY else gpu_model.GPT2_SMALL
 DTYPE = "bf16"  # on CPU too: the tiny model is small enough
 LR = 3e-3 if TINY else 6e-4
 WARM_STEPS = 2 if TINY else 10  # excluded from tokens/s
@@ -158,21 +156,6 @@ section("build", build)
 # ------------------------------------------------------------------------ c. kernel correctness
 
 
-def adam_inputs(n, seed):
-    """master, grad (a sum over micro-batches), exp_avg, exp_avg_sq."""
-    g = torch.Generator().manual_seed(seed)
-    ts = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 0.1,
-          torch.rand(n, generator=g) * 0.01]
-    return [t.to(DEV) for t in ts]
-
-
-def rel_err(got, want, before):
-    """Max error relative to the larger of new and old value (an update that cancels most of a value leaves a
-    small result whose own ulps are the wrong scale)."""
-    scale = torch.maximum(want.float().abs(), before.float().abs()).clamp_min(1e-30)
-    return ((got.float() - want.float()).abs() / scale).max().item()
-
-
 def correctness():
     from acco_ds import ops
     from acco_ds.ops import reference
@@ -182,7 +165,7 @@ def correctness():
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         for commit in (True, False):
             for adamw in (True, False):
-                want = adam_inputs(n, len(cases))
+                want = adam_inputs(n, len(cases), DEV)
                 got, before = [t.clone() for t in want], [t.clone() for t in want]
                 out_want = torch.full((n, ), float("nan"), dtype=dt, device=DEV)
                 out_got = out_want.clone()  # poisoned: every element must be written
@@ -211,26 +194,6 @@ section("correctness", correctness)
 # ---------------------------------------------------------------------------- d. kernel timing
 
 
-def timeit(fn, repeats, warmup=3):
-    """Median seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if CUDA:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def timing():
     from acco_ds import ops
     from acco_ds.ops import reference
@@ -238,18 +201,19 @@ def timing():
     repeats = 20 if CUDA else 5
     big = (256 if CUDA else 4 if TINY else 64) * 2**20  # fp32 elements, beyond the caches
     src, dst = torch.randn(big, device=DEV), torch.empty(big, device=DEV)
-    copy_bw = 2 * 4 * big / timeit(lambda: dst.copy_(src), repeats)
+    copy_bw = 2 * 4 * big / timeit(lambda: dst.copy_(src), repeats, CUDA)
     del src, dst
     log(f"copy bandwidth (dst.copy_(src), {big >> 20}M fp32): {copy_bw / 1e9:.1f} GB/s")
     rows = []
     for n in ([2**16] if TINY else [2**20, 2**24, 2**26]):
-        master, grad, m, v = adam_inputs(n, 0)
+        master, grad, m, v = adam_inputs(n, 0, DEV)
         out = torch.empty(n, dtype=torch.bfloat16, device=DEV)  # the all-gather send buffer of a bf16 model
         for kernel, commit in (("peek", False), ("commit", True)):
             nbytes = 16 * n + 2 * n + (12 * n if commit else 0)  # read master, grad, m, v; write out (+ state)
             row = {"numel": n, "kernel": kernel, "bytes": nbytes}
             for variant, impl in (("fused", native), ("torch", reference)):
-                t = timeit(lambda: impl.adamw_update(master, grad, m, v, out, commit=commit, **ADAM), repeats)
+                t = timeit(lambda: impl.adamw_update(master, grad, m, v, out, commit=commit, **ADAM), repeats,
+                           CUDA)
                 row.update({f"{variant}_ms": 1e3 * t, f"{variant}_GBps": nbytes / t / 1e9,
                             f"{variant}_pct_copy": 100 * nbytes / t / copy_bw})
             rows.append(row)
@@ -267,64 +231,9 @@ section("timing", timing)
 # ------------------------------------------------------------------------------------ e. training
 
 
-def load_corpus(max_bytes):
-    """The standard library's own .py files, sorted by path, as bytes (no download)."""
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
-        if "site-packages" not in path:
-            data += Path(path).read_bytes()
-        if len(data) >= max_bytes:
-            break
-    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
-
-
 def batch(data, i):
     """Micro-batch ``i``: the same windows in every run."""
-    g = torch.Generator().manual_seed(1_000_003 + i)
-    T = SHAPE["block_size"]
-    starts = torch.randint(len(data) - T - 1, (MICRO, ), generator=g).tolist()
-    x = torch.stack([data[s:s + T] for s in starts])
-    y = torch.stack([data[s + 1:s + 1 + T] for s in starts])
-    return x.to(DEV), y.to(DEV)
-
-
-class Block(nn.Module):
-
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head, self.ln1, self.ln2 = n_head, nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.qkv(self.ln1(x)).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """GPT-2 shaped: token + position embeddings, pre-LN blocks, tied output head; returns the loss."""
-
-    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        for mod in self.modules():
-            if isinstance(mod, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(mod.weight, std=0.02)
-            if isinstance(mod, nn.Linear):
-                nn.init.zeros_(mod.bias)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.ln_f(x) @ self.tok.weight.t()
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+    return gpu_model.batch(data, i, MICRO, SHAPE["block_size"], DEV)
 
 
 def ds_config(mode):
@@ -382,11 +291,12 @@ def train(mode, data):
     engine, *_ = initialize(model=model, model_parameters=groups, config=ds_config(mode))
     run = {"mode": mode}
     if mode != "stock":
-        est = acco_ds.estimate_memory(model, gpus=1, dtype=DTYPE, verbose=False)
+        est = acco_ds.estimate_memory(model, gpus=1, dtype=DTYPE, mode=mode, verbose=False)
         run["estimate"] = {k: v for k, v in est.items() if k.endswith("bytes")}
         with contextlib.suppress(Exception):  # the buffers alone (extra_bytes is net of stock's gradients)
             from acco_ds.memory import acco_buffer_bytes, padded_numel
-            run["estimate"]["buffer_bytes"] = acco_buffer_bytes(padded_numel(est["params"], 1), 1, DTYPE)
+            run["estimate"]["buffer_bytes"] = acco_buffer_bytes(padded_numel(est["params"], 1), 1, DTYPE,
+                                                                mode=mode)
     def drain():  # a read of the committed weights waits for ACCO's in-flight communication
         if hasattr(engine, "acco_committed_weights"):
             with engine.acco_committed_weights():
@@ -467,19 +377,22 @@ section("training", training)
 
 
 def local_sgd():
-    from acco_ds.config import ACCOConfig
-    accepted = []
-    for mode in ("diloco", "co2", "edit"):
-        try:
-            ACCOConfig(enabled=True, mode=mode)  # model_fields["mode"] decides
-            accepted.append(mode)
-        except Exception:  # noqa: BLE001 - a validation error: not available
-            pass
-    if not accepted:
-        return {"status": "not available", "mode_field": str(ACCOConfig.model_fields["mode"].annotation)}
-    DATA.setdefault("corpus", load_corpus(1_000_000 if TINY else 8_000_000))
-    runs, errors = train_modes(accepted)
-    return {"status": f"ran {', '.join(runs) or 'none'}", "runs": runs, "errors": errors}
+    """diloco, co2, edit, A-EDiT on 2 ranks, and A-EDiT's save (tag agreed by all-reduce) and resume
+    (``gpu_local_sgd.py``). NCCL needs a GPU per rank: with fewer than 2 GPUs the ranks run on CPU/gloo."""
+    import gpu_local_sgd
+    gpus = torch.cuda.device_count() if CUDA else 0
+    device = "cuda" if gpus >= 2 else "cpu"
+    out = gpu_local_sgd.launch(device, TINY, Path(args.out).with_suffix(".local_sgd"), timeout_s=400)
+    resume = out["a_edit_resume"]
+    for mode, r in out["runs"].items():
+        log(f"{mode:<6} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
+            f"| {r['syncs']} syncs | one model after finalize: {r['one_model_after_finalize']}")
+    log(f"A-EDiT save (tag {resume['tag']}) and resume: committed weights equal {resume['loaded_equals_saved']}")
+    why = None if device == "cuda" else (f"{gpus} GPU(s): NCCL needs one per rank, so the 2 local-SGD ranks ran on "
+                                         "CPU with gloo")
+    ok = resume["loaded_equals_saved"] and all(r["one_model_after_finalize"] for r in out["runs"].values())
+    return {"status": f"ran {', '.join(out['runs'])} and A-EDiT save/resume on {out['backend']}", "note": why,
+            "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
 
 
 section("local_sgd", local_sgd)
@@ -532,7 +445,7 @@ def summary():
     tr = S["training"]
     runs = tr.get("runs") or {}
     stock = runs.get("stock")
-    for mode, r in {**runs, **(S["local_sgd"].get("runs") or {})}.items():
+    for mode, r in runs.items():
         hidden = "" if r["hidden_comm_fraction"] is None else f", {100 * r['hidden_comm_fraction']:.0f}% comm hidden"
         rows.append((f"train {mode}", f"{r['tokens_per_s']:,.0f} tok/s, loss {r['losses'][0]:.3f} -> "
                      f"{r['losses'][-1]:.3f}, peak {r['peak_bytes'] / 2**20:,.0f} MiB{hidden}", "-", "n/a"))
@@ -549,6 +462,9 @@ def summary():
                          f"{r['estimate'].get('buffer_bytes', float('nan')) / 2**20:,.1f}", "<= +5%",
                          verdict(r["peak_bytes"] <= 1.05 * bound if CUDA else None)))
     rows.append(("local-SGD modes", S["local_sgd"].get("status", "FAILED"), "-", "n/a"))
+    resume = S["local_sgd"].get("a_edit_resume") or {}
+    rows.append(("A-EDiT save/resume", f"tag {resume.get('tag')}, loaded = saved: {resume.get('loaded_equals_saved')}",
+                 "bit for bit", verdict(resume.get("loaded_equals_saved"))))
     failed = [name for name, s in S.items() if not s.get("ok")]
     rows.append(("sections failed", ", ".join(failed) or "none", "none", verdict(not failed)))
     head = ("check", "result", "target", "verdict")

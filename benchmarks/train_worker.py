@@ -96,6 +96,12 @@ def main():
                         help="benchmark only: this rank's replica trains on shuffled labels for --spike_steps")
     parser.add_argument("--spike_from", type=int, default=0, help="first inner step of the spike")
     parser.add_argument("--spike_steps", type=int, default=0)
+    parser.add_argument("--target_loss", type=float, default=None,
+                        help="race: stop at the first validation of the committed model at or below this loss")
+    parser.add_argument("--time_cap_s", type=float, default=None,
+                        help="race: or at the first validation after this much training time (evaluations excluded)")
+    parser.add_argument("--collectives", choices=["auto", "flat", "hierarchical"], default=None,
+                        help='acco.collectives.layout ("auto": hierarchical with more than one node of several ranks)')
     parser.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     parser.add_argument("--n_layer", type=int, default=4)
@@ -129,6 +135,8 @@ def main():
             config["acco"]["mode"] = args.mode
         if args.accumulation:
             config["acco"]["accumulation"] = args.accumulation
+        if args.collectives:
+            config["acco"]["collectives"] = {"layout": args.collectives}
         if args.slow_factor > 1:
             config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
         if config["acco"].get("mode") in ("diloco", "co2", "edit"):
@@ -172,7 +180,11 @@ def main():
         outer = engine.optimizer.outer.stats()
         return micro_bs * gas * outer["replica_group_size"] * sum(sum(h["steps"]) for h in outer["sync_history"])
 
+    race = {"stop": False}  # --target_loss / --time_cap_s reached, agreed by every rank at a validation
+
     def done():
+        if race["stop"]:
+            return True
         # A token budget: adaptive steps hold more samples than tokens_per_step; A-EDiT's samples() moves
         # only when a sync's step counts arrive, the same on every rank.
         if samples_goal is not None:
@@ -240,6 +252,15 @@ def main():
             history.append({"step": engine.global_steps, "tokens": tokens, "time": elapsed,
                             "val_loss": evaluate(engine, val, args.eval_batches, device), "train_loss": train_loss})
             eval_time += time.perf_counter() - t0
+            if (args.target_loss is not None or args.time_cap_s is not None) and not finished:
+                hit = ((args.target_loss is not None and history[-1]["val_loss"] <= args.target_loss) or
+                       (args.time_cap_s is not None and elapsed >= args.time_cap_s))
+                flag = torch.tensor([float(hit)], device=device)
+                deepspeed.comm.all_reduce(flag, op=deepspeed.comm.ReduceOp.MAX)  # ranks' clocks differ a little
+                if flag.item() > 0:
+                    race["stop"] = True  # the measured window ends here, at this commit
+                    end = {"time": time.perf_counter() - eval_time, "step": engine.global_steps,
+                           "samples": samples(), "stats": acco_totals(engine), "tx": link_tx_bytes()}
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens / elapsed:,.0f}")
@@ -296,6 +317,7 @@ def main():
         stats["micro_batches_per_rank"] = gather_counts(micro, device)
         if warm["stats"] is not None:
             stats["measured"] = {k: end["stats"][k] - warm["stats"][k] for k in end["stats"]}
+        stats["lines"] = engine.acco_report()  # the mode's own summary lines (examples/train_gpt.py prints them)
         summary["acco"] = stats
     if rank == 0:
         print_summary(label, world, device, summary["steps"], summary["tokens"], elapsed, summary["first_loss"],

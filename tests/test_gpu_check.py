@@ -16,13 +16,13 @@ SECTIONS = ["environment", "build", "correctness", "timing", "training", "local_
 MODES = ["stock", "acco", "dpu", "sync"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_gpu_check_cpu_dry_run(tmp_path):
     out = tmp_path / "x.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--skip-pytest", "--out", str(out)]
-    proc = run_in_session(cmd, timeout=240, env=env, check=False)
+    proc = run_in_session(cmd, timeout=360, env=env, check=False)
     assert out.exists(), f"no JSON written:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
     sections = result["sections"]
@@ -60,9 +60,17 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert max(abs(a - b) for a, b in zip(runs["sync"]["losses"], runs["stock"]["losses"])) <= 1e-5
     assert training["sync_vs_stock_max_loss_diff"] <= 1e-5
 
-    assert sections["local_sgd"]["status"]
+    local = sections["local_sgd"]  # 2 CPU ranks here (gloo), 2 replicas of 1
+    assert list(local["runs"]) == ["diloco", "co2", "edit"], local["status"]
+    for mode, run in local["runs"].items():
+        assert run["syncs"] >= 2 and all(math.isfinite(x) for x in run["losses"]), (mode, run)
+        assert run["one_model_after_finalize"], mode
+    resume = local["a_edit_resume"]  # saved without a tag: the ranks agreed on it (an all-reduce)
+    assert resume["tag"].startswith("global_step") and resume["loaded_equals_saved"] is True, resume
+    assert resume["syncs_after"] > resume["syncs_at_load"] and resume["one_model_after_finalize"], resume
     assert sections["pytest"]["skipped"] is True
     checks = {row["check"]: row for row in sections["summary"]["rows"]}
     assert checks["sync vs stock losses"]["verdict"] == "met"
+    assert checks["A-EDiT save/resume"]["verdict"] == "met"
     assert "sync vs stock tokens/s" in checks
     assert "adamw_update vs reference" in proc.stdout and "sections failed" in proc.stdout  # the table

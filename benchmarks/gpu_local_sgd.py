@@ -1,0 +1,171 @@
+"""The local-SGD section of ``gpu_check.py``: diloco, co2, edit and A-EDiT on 2 ranks (2 replicas of 1),
+then A-EDiT's save without a tag (the ranks agree on the tag with an all-reduce: on NCCL a host tensor there
+raises) and a resume in fresh engines whose committed weights must equal the saved ones bit for bit.
+
+    python benchmarks/gpu_local_sgd.py --device cuda [--tiny] --out DIR   # starts its own 2 ranks
+
+The local-SGD modes need at least 2 replicas, so 2 ranks; NCCL needs one GPU per rank. With fewer than 2
+GPUs the ranks run on the CPU with gloo and the result says so (``tests/test_device_audit.py`` checks on the
+CPU that every collective's tensor would be valid on NCCL). ``launch`` returns rank 0's JSON.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+MODES = {"diloco": {}, "co2": {}, "edit": {}}
+
+
+def launch(device: str, tiny: bool, out_dir, timeout_s: float = 300.0, world: int = 2) -> dict:
+    """Start ``world`` ranks of this file on ``device`` and return rank 0's results (raises with the logs'
+    tails when a rank fails or the time runs out)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DS_ACCELERATOR": device, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, __file__, "--worker", "--device", device, "--out", str(out_dir)] + (["--tiny"] if tiny
+                                                                                                  else [])
+    logs = [open(out_dir / f"rank{r}.log", "w+") for r in range(world)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r],
+                              stderr=subprocess.STDOUT) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    tails = []
+    for r, log in enumerate(logs):
+        log.seek(0)
+        tails.append(f"--- rank {r} ---\n{log.read()[-2500:]}")
+        log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes) or not (out_dir / "rank0.json").exists():
+        raise RuntimeError(f"local-SGD ranks failed (exit codes {codes}, command {' '.join(cmd)}):\n" + "\n".join(tails))
+    return {**json.loads((out_dir / "rank0.json").read_text()), "command": " ".join(cmd), "world_size": world}
+
+
+def worker(args):
+    import torch
+    import torch.distributed as tdist
+
+    import acco_ds
+    import deepspeed
+    from gpu_model import GPT, TINY_SHAPE, batch, load_corpus
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    cuda = args.device == "cuda"
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    shape = TINY_SHAPE if args.tiny else dict(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=256)
+    micro, gas, steps, period = (2, 2, 6, 2) if args.tiny else (8, 2, 40, 8)
+    sync_time_s = 0.5 if args.tiny else 2.0
+    data = load_corpus(1_000_000)
+
+    def config(mode, **local):
+        return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+                "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+                "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                                          "torch_adam": True}},
+                "acco": {"enabled": True, "mode": mode, "local_sgd": {"replica_group_size": 1, **local}}}
+
+    def engine_for(cfg):
+        torch.manual_seed(1234)
+        model = GPT(**shape)
+        return acco_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    counter = {"micro": 0}
+
+    def train_step(engine):
+        """One inner step (gas micro-batches); each replica reads its own windows."""
+        losses = []
+        for _ in range(gas):
+            loss = engine(*batch(data, 100_000 * rank + counter["micro"], micro, shape["block_size"], device))
+            engine.backward(loss)
+            engine.step()
+            counter["micro"] += 1
+            losses.append(float(loss))
+        return sum(losses) / gas
+
+    def committed(engine):
+        """What users read (the anchor), as one flat fp32 CPU tensor."""
+        return torch.cat([t.detach().float().flatten().cpu() for t in engine.module.state_dict().values()])
+
+    def same_on_every_rank(flat):
+        mine = flat.to(device)
+        every = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
+        tdist.all_gather(every, mine)
+        return all(torch.equal(every[0], x) for x in every)
+
+    result = {"device": str(device), "backend": tdist.get_backend(), "runs": {}}
+    for mode, local in MODES.items():
+        engine = engine_for(config(mode, sync_every=period, **local))
+        t0 = time.perf_counter()
+        losses = [train_step(engine) for _ in range(steps)]
+        seconds = time.perf_counter() - t0
+        syncs = engine.acco_syncs
+        engine.acco_finalize()
+        result["runs"][mode] = {"losses": losses, "syncs": syncs, "seconds": seconds,
+                                "tokens_per_s": steps * gas * micro * shape["block_size"] * 2 / seconds,
+                                "one_model_after_finalize": same_on_every_rank(committed(engine)),
+                                "report": [list(line) for line in engine.acco_report()]}
+        engine.destroy()
+
+    # A-EDiT: periods end on wall time; the loop ends on syncs (the same on every rank).
+    ckpt = Path(args.out) / "a_edit_ckpt"
+    engine = engine_for(config("edit", sync_time_s=sync_time_s))
+    while engine.acco_syncs < 2:
+        train_step(engine)
+    engine.save_checkpoint(str(ckpt))  # no tag: the ranks agree on global_step<most steps of any replica>
+    saved, saved_steps = committed(engine), engine.global_steps
+    tag = (ckpt / "latest").read_text().strip()
+    engine.destroy()
+    engine = engine_for(config("edit", sync_time_s=sync_time_s))
+    engine.load_checkpoint(str(ckpt))
+    loaded = committed(engine)
+    syncs_at_load = engine.acco_syncs
+    after = [train_step(engine) for _ in range(2)]
+    while engine.acco_syncs < syncs_at_load + 1:
+        after.append(train_step(engine))
+    engine.acco_finalize()
+    result["a_edit_resume"] = {"tag": tag, "saved_steps": saved_steps, "syncs_at_load": syncs_at_load,
+                               "loaded_equals_saved": bool(torch.equal(saved, loaded)),
+                               "losses_after_load": after, "syncs_after": engine.acco_syncs,
+                               "one_model_after_finalize": same_on_every_rank(committed(engine))}
+    engine.destroy()
+    if rank == 0:
+        (Path(args.out) / "rank0.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+    else:
+        import torch
+        n = torch.cuda.device_count() if a.device == "cuda" else 0
+        print(json.dumps(launch("cuda" if n >= 2 else "cpu", a.tiny, a.out), indent=1))

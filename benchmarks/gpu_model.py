@@ -1,0 +1,73 @@
+"""The GPT-2-shaped model and the data of ``gpu_check.py`` (and of its local-SGD ranks, ``gpu_local_sgd.py``):
+the standard library's own source as bytes, fixed random windows, pre-LN blocks with a tied head."""
+
+import glob
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TINY_SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+
+
+def load_corpus(max_bytes):
+    """The standard library's own .py files, sorted by path, as bytes (no download)."""
+    data = bytearray()
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+        if "site-packages" not in path:
+            data += Path(path).read_bytes()
+        if len(data) >= max_bytes:
+            break
+    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
+
+
+def batch(data, i, micro, block_size, device, seed=1_000_003):
+    """Micro-batch ``i``: the same ``micro`` windows of ``block_size`` tokens in every run."""
+    g = torch.Generator().manual_seed(seed + i)
+    starts = torch.randint(len(data) - block_size - 1, (micro, ), generator=g).tolist()
+    x = torch.stack([data[s:s + block_size] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts])
+    return x.to(device), y.to(device)
+
+
+class Block(nn.Module):
+
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head, self.ln1, self.ln2 = n_head, nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 shaped: token + position embeddings, pre-LN blocks, tied output head; returns the loss."""
+
+    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=0.02)
+            if isinstance(mod, nn.Linear):
+                nn.init.zeros_(mod.bias)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.tok.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
