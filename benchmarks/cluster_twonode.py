@@ -8,6 +8,15 @@ from cluster_runs import (BLOCK, ROOT, STOCK, TWONODE_GAS, TWONODE_MICRO_BS, fir
                           ideal_internode_bytes_per_step, param_count)
 
 
+def run_row(h, bw, mode, spec, tag, runs, failed):
+    """One run into ``runs``; a failure goes into ``failed`` (reported below the table), not lost."""
+    try:
+        runs[(bw, mode)] = h.run(bw, mode, spec, tag=tag)
+    except RuntimeError as err:
+        failed[(bw, mode)] = str(err)[-3000:]
+        print(f"  {tag} {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
+
+
 def cmd_twonode(h):
     a = h.args
     spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
@@ -15,11 +24,7 @@ def cmd_twonode(h):
     runs, failed = {}, {}
     for bw in a.bandwidths:
         for mode in a.modes:
-            try:
-                runs[(bw, mode)] = h.run(bw, mode, spec, tag="twonode")
-            except RuntimeError as err:  # one failed row must not lose the others: reported below the table
-                failed[(bw, mode)] = str(err)[-3000:]
-                print(f"  twonode {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
+            run_row(h, bw, mode, spec, "twonode", runs, failed)
     a.modes = [m for m in a.modes if any((bw, m) in runs for bw in a.bandwidths)]
     n = param_count()
     finals = [r["final_val_loss"] for r in runs.values()]
@@ -156,11 +161,7 @@ def cmd_race(h):
         for mode in [m for m in a.modes if m != STOCK]:
             stop = ["--target_loss", f"{targets[bw]:.4f}", "--time_cap_s", f"{caps[bw]:.1f}"]
             spec = dict(base, tokens=50 * a.tokens, extra=stop + (["--eval_syncs", "1"] if "T=" in mode else []))
-            try:
-                runs[(bw, mode)] = h.run(bw, mode, spec, tag="race")
-            except RuntimeError as err:  # one failed row must not lose the others
-                failed[(bw, mode)] = str(err)[-3000:]
-                print(f"  race {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
+            run_row(h, bw, mode, spec, "race", runs, failed)
     n = param_count()
     lines = [f"Each mode trains until its committed model's validation loss reaches the target: 1.01 × stock "
              f"ZeRO-1's final validation loss after {a.tokens:,} tokens on the same link (stock's own row is that "
@@ -182,7 +183,7 @@ def cmd_race(h):
             vs = reach[0] / stock_reach[0] if reach and stock_reach else None
             why = ("budget" if mode == STOCK else "target" if reach else f"time cap ({caps[bw]:.0f} s)")
             lines.append(f"| {bw} | {mode} | {targets[bw]:.3f} | {'not reached' if not reach else f'{reach[0]:.1f}'} | "
-                         f"{'–' if vs is None else f'{vs:.2f}x'} | {'–' if not reach else f'{reach[1]:,}'} | "
+                         f"{'–' if vs is None else f'{vs:.2f}x'} | {'–' if not reach else f'{int(reach[1]):,}'} | "
                          f"{row['samples_per_s']:.1f} | {row.get('inter_mb_per_step', float('nan')):.3f} | "
                          f"{row['final_val_loss']:.3f} | {why} |")
             table.append({"bandwidth": bw, "mode": mode, "target": targets[bw], "time_cap_s": caps[bw],

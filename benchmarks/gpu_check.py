@@ -28,7 +28,6 @@ import os
 import platform
 import resource
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
 import torch  # noqa: E402
 
 import gpu_model  # noqa: E402 - benchmarks/ is on sys.path: this script's folder
+import harness  # noqa: E402
 from gpu_kernels import adam_inputs, rel_err, timeit  # noqa: E402
 from gpu_model import GPT, load_corpus  # noqa: E402
 
@@ -256,10 +256,8 @@ def init_dist():
     import deepspeed
     if deepspeed.comm.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(harness.free_port()))
     if CUDA:
         torch.cuda.set_device(0)
     with contextlib.suppress(Exception):  # DeepSpeed's CPU backend JIT-builds an op: its lock must not hang us

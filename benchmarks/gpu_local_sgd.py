@@ -12,11 +12,11 @@ CPU that every collective's tensor would be valid on NCCL). ``launch`` returns r
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -28,36 +28,14 @@ def launch(device: str, tiny: bool, out_dir, timeout_s: float = 300.0, world: in
     tails when a rank fails or the time runs out)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "DS_ACCELERATOR": device, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {"DS_ACCELERATOR": device, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(harness.free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--worker", "--device", device, "--out", str(out_dir)] + (["--tiny"] if tiny
                                                                                                   else [])
-    logs = [open(out_dir / f"rank{r}.log", "w+") for r in range(world)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r],
-                              stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    tails = []
-    for r, log in enumerate(logs):
-        log.seek(0)
-        tails.append(f"--- rank {r} ---\n{log.read()[-2500:]}")
-        log.close()
-    codes = [p.returncode for p in procs]
-    if any(codes) or not (out_dir / "rank0.json").exists():
-        raise RuntimeError(f"local-SGD ranks failed (exit codes {codes}, command {' '.join(cmd)}):\n" + "\n".join(tails))
+    commands = [({**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cmd) for r in range(world)]
+    with harness.RankSet(commands, out_dir, "local-SGD ranks") as ranks:
+        ranks.finish(timeout_s)  # raises with every rank's log tail when one fails or the time runs out
     return {**json.loads((out_dir / "rank0.json").read_text()), "command": " ".join(cmd), "world_size": world}
 
 
