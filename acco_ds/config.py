@@ -15,47 +15,12 @@ from typing import Literal, Optional
 import torch
 from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, AnomalyConfig,
-                           LocalSGDConfig, _Documented)
+from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, ACCOEmulationConfig,
+                           AnomalyConfig, CollectivesConfig, LocalSGDConfig, _Documented, ranks_per_node)
+from .config_local import collectives_layout  # noqa: F401 - re-exported (acco_ds.config is the config's face)
 from .deepspeed.compat import DeepSpeedConfigModel, check_instance
 
 ACCO_KEY = "acco"
-
-
-class ACCOEmulationConfig(_Documented):
-    """Benchmark and test hooks that emulate a slow network or slow workers.
-
-    Never use these for real training: they only add sleeps. Every benchmark
-    row that uses them says so.
-    """
-
-    comm_delay_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    """Extra seconds the communication side sleeps in every round before it
-    starts, on every rank (emulates a slow network)."""
-
-    slow_rank: StrictInt = -1
-    """Global rank whose compute is slowed (-1: none)."""
-
-    slow_factor: float = Field(1.0, ge=1.0, allow_inf_nan=False)
-    """On ``slow_rank``, every micro-batch takes this many times as long: after
-    each backward the rank sleeps ``(slow_factor - 1) x`` the measured time of
-    that forward+backward."""
-
-
-class CollectivesConfig(_Documented):
-    """How the reduce-scatter and all-gather of every round (and of the local-SGD inner steps) run over
-    the network. ZeRO-1's partition of each rank is the same in every layout, so checkpoints are too."""
-
-    layout: Literal["auto", "flat", "hierarchical"] = "auto"
-    """``flat``: one collective over the whole ZeRO-1 group. ``hierarchical``: node-aware, first inside
-    each node, then across nodes over rails of ranks with the same local index, so only (R-1)/R of the
-    buffer crosses between nodes per collective (R nodes), the minimum. ``auto``: hierarchical when the
-    group spans more than one node with more than one rank on each, else flat."""
-
-    ranks_per_node: Optional[StrictInt] = Field(None, ge=1)
-    """Ranks on each node; rank r is on node r // ranks_per_node, as launchers number them. Default
-    (``"auto"``): ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (the ``deepspeed`` launcher), else
-    the whole world on one node. ``local_sgd.replica_group_size`` defaults to the same number."""
 
 
 class ACCOConfig(_Documented):
@@ -300,24 +265,6 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
         problems.append('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to the '
                         'DeepSpeed config or pass optimizer= to initialize')
     _raise(problems)
-
-
-def ranks_per_node(acco: ACCOConfig, world_size: int) -> int:
-    """The configured ``collectives.ranks_per_node``, or the launcher's ranks per node, or ``world_size``."""
-    import os
-    n = acco.collectives.ranks_per_node
-    if n is None:  # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
-        n = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size
-    return int(n)
-
-
-def collectives_layout(acco: ACCOConfig, world_size: int) -> str:
-    """``flat`` or ``hierarchical``: the layout asked for, with ``auto`` resolved (more than one node of
-    more than one rank: hierarchical). ``world_size``: all ranks (nodes are counted in global ranks)."""
-    if acco.collectives.layout != "auto":
-        return acco.collectives.layout
-    n = ranks_per_node(acco, world_size)
-    return "hierarchical" if 1 < n < world_size and world_size % n == 0 else "flat"
 
 
 def _global_world_size(ds_config) -> int:

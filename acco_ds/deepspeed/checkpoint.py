@@ -14,6 +14,9 @@ import re
 import shutil
 from dataclasses import asdict
 
+import torch
+import torch.distributed as tdist
+
 from ..config import checkpoint_mismatch
 from ..runtime import collectives
 from ..runtime.job import result_from_dict
@@ -157,4 +160,33 @@ def load_errors(load_dir, tag, replicas: bool = False):
                            f"earlier tag (load_checkpoint(dir, tag='global_stepN'))") from err
 
 
-__all__ = ["ACCO_STATE_KEY", "save_state", "find_state", "check_state", "load_state", "save_errors", "load_errors"]
+# Replicas that run different step counts (A-EDiT): DeepSpeed keeps one copy of the engine counters and the
+# LR scheduler (rank 0's model-states file) and names the checkpoint after this rank's global_steps. Each
+# rank's own copy travels in its ACCO state instead, and the tag is one every rank agrees on.
+def save_own_counters(engine, args, kwargs) -> None:
+    """Name the checkpoint ``global_step<N>`` with N the most steps any replica ran (unless the caller named
+    it), and keep this rank's counters and LR schedule for its ACCO state."""
+    if not args and kwargs.get("tag") is None:
+        steps = torch.tensor([engine.global_steps], dtype=torch.int64, device=engine.optimizer.device)
+        tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
+        kwargs["tag"] = f"global_step{int(steps.item())}"
+    sched = engine.lr_scheduler
+    engine.optimizer.host_counters = {
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None}
+
+
+def load_own_counters(engine) -> None:
+    """This rank's counters and LR schedule, not rank 0's (when its checkpoint holds them)."""
+    saved = engine.optimizer.host_counters
+    if saved is None or not engine.optimizer.outer.per_replica_counters:
+        return
+    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
+    engine.skipped_steps = saved["skipped_steps"]
+    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+
+
+__all__ = ["ACCO_STATE_KEY", "save_state", "find_state", "check_state", "load_state", "save_errors", "load_errors",
+           "save_own_counters", "load_own_counters"]

@@ -239,7 +239,7 @@ class ACCOEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir, *args, **kwargs):
         if self.optimizer.outer.per_replica_counters:
-            _save_own_counters(self, args, kwargs)
+            checkpoint.save_own_counters(self, args, kwargs)
         with self.acco_committed_weights(), checkpoint.save_errors(save_dir):
             return super().save_checkpoint(save_dir, *args, **kwargs)
 
@@ -252,7 +252,7 @@ class ACCOEngine(DeepSpeedEngine):
         with checkpoint.load_errors(load_dir, kwargs.get("tag") or (args[0] if args else None),
                                     replicas=_replica_ranks(self) is not None):
             out = super().load_checkpoint(load_dir, *args, **kwargs)
-        _load_own_counters(self)
+        checkpoint.load_own_counters(self)
         # The save counted a finished commit (it waited for it): the uninterrupted run then reports
         # that step as applied at its next step(), so the resumed run does too.
         pending = self.optimizer.pending
@@ -314,34 +314,6 @@ class ACCOPipelineEngine(ACCOEngine, PipelineEngine):
 def _replica_ranks(engine):
     opt = getattr(engine, "optimizer", None)
     return opt.outer.replica_ranks if isinstance(opt, ACCOZeroOptimizer) else None
-
-
-# Replicas that run different step counts (A-EDiT): DeepSpeed keeps one copy of the engine counters and the
-# LR scheduler (rank 0's model-states file) and names the checkpoint after this rank's global_steps. Each
-# rank's own copy travels in its ACCO state instead, and the tag is one every rank agrees on.
-def _save_own_counters(engine, args, kwargs) -> None:
-    """Name the checkpoint ``global_step<N>`` with N the most steps any replica ran (unless the caller named
-    it), and keep this rank's counters and LR schedule for its ACCO state."""
-    if not args and kwargs.get("tag") is None:
-        steps = torch.tensor([engine.global_steps], dtype=torch.int64, device=engine.optimizer.device)
-        tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
-        kwargs["tag"] = f"global_step{int(steps.item())}"
-    sched = engine.lr_scheduler
-    engine.optimizer.host_counters = {
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None}
-
-
-def _load_own_counters(engine) -> None:
-    """This rank's counters and LR schedule, not rank 0's (when its checkpoint holds them)."""
-    saved = engine.optimizer.host_counters
-    if saved is None or not engine.optimizer.outer.per_replica_counters:
-        return
-    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
-    engine.skipped_steps = saved["skipped_steps"]
-    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def _peers_state(opt):

@@ -1,4 +1,4 @@
-"""Process groups and norm masks for layouts with tensor (model) parallelism.
+"""Process groups (tensor-parallel layouts, node-aware collectives) and norm masks.
 
 With an ``mpu`` (Megatron-DeepSpeed), the data-parallel ranks of each
 model-parallel position form their own group: with TP = 2 on 4 ranks the
@@ -15,20 +15,41 @@ gives the ranges of this rank's flat shard that count, for the job's norm.
 """
 
 from datetime import timedelta
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as tdist
+
+from ..config import collectives_layout, ranks_per_node
+from ..runtime import collectives
+from ..runtime.collectives import NodeLayout
 from .compat import is_model_parallel_parameter
+
+
+def every_group(group) -> List[List[int]]:
+    """The ranks of every group like ``group`` that some rank belongs to (``group`` as each rank sees
+    it), the same sorted list on every rank (collective: every rank of the job calls it)."""
+    mine = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
+    everyone = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, sorted(mine))
+    return [list(ranks) for ranks in sorted({tuple(ranks) for ranks in everyone})]
 
 
 def side_group(group, timeout_s: float):
     """A new group with the same ranks as ``group`` (collective: every rank of the job calls it)."""
-    mine = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
-    everyone = [None] * tdist.get_world_size()
-    tdist.all_gather_object(everyone, sorted(mine))
-    lists = sorted({tuple(ranks) for ranks in everyone})
-    own, _ = tdist.new_subgroups_by_enumeration([list(ranks) for ranks in lists], timeout=timedelta(seconds=timeout_s))
+    own, _ = tdist.new_subgroups_by_enumeration(every_group(group), timeout=timedelta(seconds=timeout_s))
     return own
+
+
+def node_layout(group, side, acco) -> Optional[NodeLayout]:
+    """The node-aware layout of this rank's ZeRO-1 ``group`` when the hierarchical layout applies
+    (collective: each group's node and rail groups are created on every rank), else None. A group inside
+    one node (a local-SGD replica on its node) stays flat: nothing of it crosses nodes. ``side``: the
+    communication thread's copy of ``group``, kept as the layout's flat group."""
+    world = tdist.get_world_size()
+    if collectives_layout(acco, world) != "hierarchical":
+        return None
+    return collectives.node_layout(every_group(group), ranks_per_node(acco, world), flat=side,
+                                   timeout_s=acco.timeout_s)
 
 
 def norm_segments(opt) -> List[List[Tuple[int, int]]]:
@@ -49,4 +70,4 @@ def norm_segments(opt) -> List[List[Tuple[int, int]]]:
     return out
 
 
-__all__ = ["side_group", "norm_segments"]
+__all__ = ["every_group", "side_group", "node_layout", "norm_segments"]

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from ..algorithms.rounds import SYNC, RoundSchedule
-from ..config import ACCOConfig, collectives_layout, ranks_per_node
-from ..runtime import collectives
+from ..config import ACCOConfig
 from ..runtime.buffers import FlatBuffers, allocated_bytes
 from ..runtime.comm import CommWorker
 from ..runtime.host_memory import pin_mmap_threshold
@@ -45,7 +44,8 @@ from ..runtime.stats import RoundLog
 from ..runtime.update import ShardUpdate
 from . import checkpoint
 from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
-from .parallel import norm_segments, side_group
+from .loss_scale import account_loss_scale
+from .parallel import node_layout, norm_segments, side_group
 from .views import ParamView
 
 
@@ -72,7 +72,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         side = replica_groups.replica_side if replica_groups is not None else side_group(group, acco_config.timeout_s)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), torch.device(self.device), acco_config.timeout_s,
                                group=side)
-        self.layout = _node_layout(group, side, acco_config)  # None: flat collectives
+        self.layout = node_layout(group, side, acco_config)  # None: flat collectives
         # Tensor parallelism: the norm counts each parameter once and is summed over the model-parallel group.
         tp = self.model_parallel_world_size > 1
         self.mp_side = side_group(self.model_parallel_group, acco_config.timeout_s) if tp else None
@@ -211,7 +211,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         if result.commits and result.finite:
             self._lazy_init_hp_params_optimizer_state()
         if result.commits:
-            _account_loss_scale(self, rnd, result)
+            account_loss_scale(self, rnd, result)
 
     # ------------------------------------------------- what users read
     def drain(self) -> None:
@@ -273,9 +273,7 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
         self.outer.before_read()
-        if self.comm.busy:
-            self.comm.wait()  # the in-flight job belongs to the state being replaced: its result is dropped
-        self.view.restore()
+        self._drop_in_flight()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
                                 load_serial, param_shapes)
@@ -288,14 +286,18 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _restore_from_bit16_weights(self):
         # DeepSpeed's load without optimizer states (and load_module_only, through refresh_fp32_params):
-        # the module weights were replaced. What was in flight belongs to the old weights: rounds restart,
-        # and the outer loop starts over from the loaded weights (its anchor is the loaded model).
-        self.view.restore()
-        if self.comm.busy:
-            self.comm.wait()
+        # the module weights were replaced: rounds restart, and the outer loop starts over from the loaded
+        # weights (its anchor is the loaded model).
+        self._drop_in_flight()
         super()._restore_from_bit16_weights()
         self._reset_rounds()
         self.outer.restart()
+
+    def _drop_in_flight(self):
+        """The state is being replaced: the in-flight job belongs to the old one (its result is dropped)."""
+        self.view.restore()
+        if self.comm.busy:
+            self.comm.wait()
 
     def _reset_rounds(self):
         self.schedule = self._new_schedule()
@@ -319,19 +321,6 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         return allocated_bytes(self.buffers)
 
 
-def _node_layout(group, side, acco: ACCOConfig) -> Optional[collectives.NodeLayout]:
-    """The node-aware layout of this rank's ZeRO-1 group when the hierarchical layout applies (collective
-    over every rank: each ZeRO-1 group's node and rail groups are created everywhere), else None. A group
-    inside one node (a local-SGD replica on its node) stays flat: nothing of it crosses nodes."""
-    world = tdist.get_world_size()
-    if collectives_layout(acco, world) != "hierarchical":
-        return None
-    every = [None] * world
-    tdist.all_gather_object(every, tdist.get_process_group_ranks(group))
-    all_groups = [list(g) for g in sorted({tuple(g) for g in every})]
-    return collectives.node_layout(all_groups, ranks_per_node(acco, world), flat=side, timeout_s=acco.timeout_s)
-
-
 def _slow_down(opt, factor: float) -> None:
     """Emulate a slow worker: stretch the compute since the last backward by ``factor``, leaving out the
     time spent waiting for local-SGD communication."""
@@ -340,27 +329,6 @@ def _slow_down(opt, factor: float) -> None:
         then, waited_then = opt._last_backward_end
         time.sleep((factor - 1.0) * (now - then - (waited - waited_then)))
     opt._last_backward_end = (time.perf_counter(), waited)
-
-
-def _account_loss_scale(opt, rnd, result: CommResult) -> None:
-    """Update the loss scaler for one committed step (and say why a step was skipped)."""
-    if result.finite:
-        if opt.dynamic_loss_scale:
-            opt.loss_scaler.update_scale(False)
-        return
-    why = "check the learning rate, data and gradient_clipping"
-    if opt.dynamic_loss_scale:
-        before = opt.loss_scale
-        if result.overflow_scale > before:
-            # Computed at a scale the scaler has lowered since (the pipeline runs one round ahead):
-            # lowering it again would count one overflow twice.
-            why = f"part of it was computed at loss scale {result.overflow_scale:g}, since lowered to {before:g}"
-        else:
-            opt.loss_scaler.update_scale(True)
-            why = (f"loss scale lowered from {before:g} to {opt.loss_scale:g}" if opt.loss_scale < before else
-                   f"loss scale kept at {before:g} (fp16.hysteresis: lowered after more overflows)")
-    logger.warning(f"ACCO: non-finite gradients in the step committed by round {rnd.index} (rank {opt.rank}); "
-                   f"the update is skipped on every rank: {why}")
 
 
 __all__ = ["ACCOZeroOptimizer"]
