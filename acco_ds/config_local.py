@@ -1,11 +1,12 @@
 """The nested blocks of ``"acco"``: ``local_sgd`` (the local-SGD family's settings: DiLoCo, CO2, EDiT),
-``collectives`` (node-aware or flat round collectives) and ``emulation`` (benchmark hooks).
+``collectives`` (node-aware or flat round collectives), ``compression`` (quantized communication) and
+``emulation`` (benchmark hooks).
 
 Kept apart from ``acco_ds.config`` (which re-exports every name here) so each module stays readable;
 ``ACCOConfig``'s validators check how these keys combine with ``acco.mode``.
 """
 
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
@@ -25,6 +26,7 @@ OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov":
                   "co2": {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False},
                   "edit": {"outer_lr": 0.7, "outer_momentum": 0.8, "nesterov": True}}
 EDIT_ONLY = ("sync_time_s", "pseudo_grad_clip", "weighting", "anomaly")
+STREAMING = ("fragments", "fragment_sync_delay", "fragment_update_alpha")  # diloco only
 
 
 class AnomalyConfig(_Documented):
@@ -89,6 +91,25 @@ class LocalSGDConfig(_Documented):
     outer_momentum_clip: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     """``co2`` only: clamp the outer momentum element-wise to [-c, c] (default: no clipping)."""
 
+    fragments: StrictInt = Field(1, ge=1)
+    """``diloco`` only: Streaming DiLoCo. The model is split into this many fragments (F) by element
+    offset; one fragment syncs every ``sync_every / fragments`` inner steps, round-robin, so each fragment
+    syncs every ``sync_every`` steps and the peak outer traffic falls F-fold. Must divide ``sync_every``."""
+
+    fragment_sync_delay: StrictInt = Field(0, ge=0)
+    """``diloco`` only: τ. A fragment's all-reduce starts τ inner steps before its sync, on the outer
+    communication thread, and the inner steps go on meanwhile. Must be below ``sync_every / fragments``."""
+
+    fragment_update_alpha: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    """``diloco`` only: α. At a sync the replica's fragment becomes ``g' + α (θ_local − g')`` (g': the
+    fragment's new global values, θ_local: the replica's own): 0 takes the global values, 1 keeps the
+    local ones."""
+
+    @property
+    def streaming(self) -> bool:
+        """Streaming DiLoCo keys away from plain DiLoCo's values."""
+        return (self.fragments, self.fragment_sync_delay, self.fragment_update_alpha) != (1, 0, 0.0)
+
     def resolved(self, mode: str) -> dict:
         """The outer settings of ``mode``, defaults filled in."""
         out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in OUTER_DEFAULTS[mode].items()}
@@ -133,6 +154,42 @@ class CollectivesConfig(_Documented):
     the whole world on one node. ``local_sgd.replica_group_size`` defaults to the same number."""
 
 
+class CompressionConfig(_Documented):
+    """Block-quantized communication with error feedback (off by default; off, every result is bit-identical
+    to uncompressed runs). Each block of ``block_size`` elements is sent as one fp32 scale (max|x| / qmax)
+    and one byte per value: about 0.25x the bytes of fp32 and 0.5x of bf16 at the default block size."""
+
+    dtype: Optional[Literal["int8", "fp8"]] = None
+    """``int8`` (qmax 127) or ``fp8`` (e4m3, qmax 448); null: no compression."""
+
+    block_size: StrictInt = Field(256, ge=8, le=1 << 20)
+    """Elements per fp32 scale. Smaller blocks quantize more finely and send more scales."""
+
+    error_feedback: StrictBool = True
+    """Keep what each quantized send left out (a residual per rank) and add it to the next send of the
+    same buffer region, so quantization errors do not accumulate. Residuals are checkpointed."""
+
+    residual_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the error-feedback residuals (bf16 halves their memory)."""
+
+    apply_to: Optional[List[Literal["rounds", "outer"]]] = Field(None, min_length=1)
+    """What to compress. ``rounds``: the reduce-scatter and all-gather of every round (acco, dpu, sync and
+    the local-SGD inner steps; with a node-aware layout only the step across nodes). ``outer``: the
+    local-SGD outer all-reduce of the pseudo-gradient (diloco, co2, edit). Default (``"auto"``): each of
+    them whose group spans more than one node (see ``collectives.ranks_per_node``); what stays inside a
+    node keeps full precision. List an entry to compress it wherever it runs."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def applies_to(self, what: str, crosses_nodes: bool = True) -> bool:
+        """Is ``what`` ("rounds" | "outer") compressed, for a group that does (not) span nodes?"""
+        if not self.enabled:
+            return False
+        return crosses_nodes if self.apply_to is None else what in self.apply_to
+
+
 def ranks_per_node(acco, world_size: int) -> int:
     """The configured ``collectives.ranks_per_node``, or the launcher's ranks per node, or ``world_size``."""
     import os
@@ -151,5 +208,5 @@ def collectives_layout(acco, world_size: int) -> str:
     return "hierarchical" if 1 < n < world_size and world_size % n == 0 else "flat"
 
 
-__all__ = ["LocalSGDConfig", "AnomalyConfig", "CollectivesConfig", "ACCOEmulationConfig", "LOCAL_SGD_MODES",
-           "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "ranks_per_node", "collectives_layout"]
+__all__ = ["LocalSGDConfig", "AnomalyConfig", "CollectivesConfig", "CompressionConfig", "ACCOEmulationConfig",
+           "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "STREAMING", "ranks_per_node", "collectives_layout"]

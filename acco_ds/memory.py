@@ -30,7 +30,7 @@ from typing import Optional, Union
 
 import torch
 
-from .runtime.buffers import plan_bytes
+from .runtime.buffers import RoundCompression, plan_bytes
 from .runtime.dtypes import DTYPES
 from .runtime.dtypes import as_dtype as _dtype
 from .runtime.dtypes import size as _size
@@ -41,27 +41,52 @@ def padded_numel(n: int, world_size: int) -> int:
     return -(-int(n) // align) * align
 
 
+def round_compression(compression: Optional[dict], peers: int) -> Optional[RoundCompression]:
+    """The buffers' ``RoundCompression`` for an ``acco.compression`` block (a dict) whose rounds are
+    compressed over ``peers`` ranks (the group, or the nodes of a node-aware layout), else None."""
+    from .config_local import CompressionConfig  # the config's validation (imported late: it loads DeepSpeed)
+    c = CompressionConfig(**(compression or {}))
+    if not c.applies_to("rounds") or peers < 2:
+        return None
+    return RoundCompression(peers, _dtype(c.residual_dtype) if c.error_feedback else None)
+
+
 def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtype=None,
-                      communication_data_type=None, mode: str = "acco") -> int:
-    """Bytes ACCO allocates for one flat group of ``numel`` (padded) elements in ``mode``."""
+                      communication_data_type=None, mode: str = "acco", compression: Optional[dict] = None,
+                      nodes: Optional[int] = None) -> int:
+    """Bytes ACCO allocates for one flat group of ``numel`` (padded) elements in ``mode``; ``compression``:
+    the ``acco.compression`` block, ``nodes``: the nodes of a node-aware layout (None: flat)."""
     model = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model
     comm = _dtype(communication_data_type) if communication_data_type is not None else model
     return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco",
-                          overlap=mode in ("acco", "dpu")).values())
+                          overlap=mode in ("acco", "dpu"),
+                          compression=round_compression(compression, nodes or world_size)).values())
 
 
-def outer_state_bytes(numel: int, group_size: int, mode: str) -> int:
+def outer_residual_bytes(numel: int, group_size: int, replicas: int, compression: Optional[dict]) -> int:
+    """Local-SGD modes with a compressed outer all-reduce: the residuals of its reduce-scatter and
+    all-gather, about one fp32 (or bf16) shard of ``numel / group_size`` elements."""
+    from .config_local import CompressionConfig
+    c = CompressionConfig(**(compression or {}))
+    if not c.applies_to("outer") or not c.error_feedback:
+        return 0
+    shard = numel // group_size
+    return replicas * -(-shard // replicas) * _size(_dtype(c.residual_dtype))
+
+
+def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1) -> int:
     """Local-SGD modes: fp32 shards of the anchor and outer momentum (``co2``: also the period start and the
     in-flight pseudo-gradient), plus the pseudo-gradient computed at a sync (``edit`` keeps that one: its
-    outer step runs during the next forward)."""
-    shards = 2 + (2 if mode == "co2" else 0) + 1
-    return shards * 4 * numel // group_size
+    outer step runs during the next forward; Streaming DiLoCo with F ``fragments``: one fragment's, 1/F)."""
+    shards = 2 + (2 if mode == "co2" else 0)
+    return shards * 4 * numel // group_size + 4 * numel // group_size // fragments
 
 
 def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
                     dtype="bf16", grad_accum_dtype=None, communication_data_type=None, mode: str = "acco",
-                    replica_group_size: Optional[int] = None, budget_gb: float = 80.0, verbose: bool = True) -> dict:
+                    replica_group_size: Optional[int] = None, fragments: int = 1, compression: Optional[dict] = None,
+                    nodes: Optional[int] = None, budget_gb: float = 80.0, verbose: bool = True) -> dict:
     """Model-state bytes per rank for stock ZeRO-1 and ACCO.
 
     Args:
@@ -74,6 +99,13 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``);
             ``diloco``/``co2``/``edit`` shard ZeRO-1 over a replica group of ``replica_group_size`` ranks (k) and add
             the outer state: 8N/k bytes (``co2``: 16N/k) plus 4N/k at a sync.
+        compression: the ``acco.compression`` block (a dict): compressed rounds add the error-feedback
+            residuals of the reduce-scatter, (P-1)N/W elements (P: ranks of the quantized step, W, or the
+            ``nodes`` of a node-aware layout), plus an fp32 kept shard and, without overlap, a target shard;
+            a compressed outer all-reduce adds about N/k residual elements.
+        nodes: nodes of a node-aware layout (None: flat collectives).
+        fragments: ``diloco`` with Streaming DiLoCo's ``local_sgd.fragments``: the pseudo-gradient in flight
+            is one fragment's (4N/(kF) instead of 4N/k).
         budget_gb: printed beside the figures (fits / does not fit).
 
     Returns a dict with ``stock_bytes``, ``acco_bytes``, ``extra_bytes`` and the inputs.
@@ -93,18 +125,22 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         if gpus % k or k == gpus:
             raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
         local = padded_numel(n, k)
-        acco = (b * local + 12 * local // k + outer_state_bytes(local, k, mode)
-                + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync"))
+        acco = (b * local + 12 * local // k + outer_state_bytes(local, k, mode, fragments)
+                + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync", compression,
+                                    nodes if nodes and nodes < gpus // k else None)
+                + outer_residual_bytes(local, k, gpus // k, compression))
     else:
         acco = b * padded + 12 * padded // gpus + acco_buffer_bytes(padded, gpus, model_dt, accum,
-                                                                    communication_data_type, mode)
+                                                                    communication_data_type, mode, compression,
+                                                                    nodes)
     out = {"params": n, "gpus": gpus, "mode": mode, "dtype": str(dtype), "grad_accum_dtype": str(grad_accum_dtype or dtype),
            "communication_data_type": str(communication_data_type or dtype), "stock_bytes": stock,
-           "acco_bytes": acco, "extra_bytes": acco - stock}
+           "acco_bytes": acco, "extra_bytes": acco - stock, "compression": (compression or {}).get("dtype")}
     if verbose:
         fits = lambda x: "fits" if x <= budget_gb * 1e9 else "does not fit"  # noqa: E731
         print(f"Model states per rank, {n / 1e9:.2f}B params, {gpus} ranks, model {dtype}, grad accumulation "
-              f"{out['grad_accum_dtype']}, communication {out['communication_data_type']}, Adam:")
+              f"{out['grad_accum_dtype']}, communication {out['communication_data_type']}"
+              f"{', compressed ' + out['compression'] if out['compression'] else ''}, Adam:")
         print(f"  stock ZeRO-1 : {stock / 1e9:8.2f} GB  ({fits(stock)} in {budget_gb:g} GB)")
         print(f"  ACCO {mode:<8}: {acco / 1e9:8.2f} GB  ({fits(acco)} in {budget_gb:g} GB), "
               f"+{(acco - stock) / 1e9:.2f} GB = {(acco - stock) / (b * n):.2f} x the model ({b}N bytes)")
@@ -121,12 +157,20 @@ def main(argv=None) -> int:
     p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
     p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2", "edit"], default="acco")
     p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2/edit (default 1)")
+    p.add_argument("--fragments", type=int, default=1, help="--mode diloco: Streaming DiLoCo fragments (F)")
+    p.add_argument("--compression", choices=["int8", "fp8"], default=None,
+                   help="acco.compression.dtype (error-feedback residuals are counted)")
+    p.add_argument("--residual-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a node-aware layout (default: flat)")
     p.add_argument("--budget-gb", type=float, default=80.0)
     args = p.parse_args(argv)
     estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
                     communication_data_type=args.communication_data_type, mode=args.mode,
-                    replica_group_size=args.replica_group_size, budget_gb=args.budget_gb)
+                    replica_group_size=args.replica_group_size, budget_gb=args.budget_gb, nodes=args.nodes,
+                    fragments=args.fragments,
+                    compression={"dtype": args.compression, "residual_dtype": args.residual_dtype}
+                    if args.compression else None)
     return 0
 
 
-__all__ = ["estimate_memory", "acco_buffer_bytes", "padded_numel"]
+__all__ = ["estimate_memory", "acco_buffer_bytes", "outer_residual_bytes", "round_compression", "padded_numel"]

@@ -109,6 +109,31 @@ def internals_line() -> str:
             f"tested with deepspeed{compat.SUPPORTED})")
 
 
+def config_report(path: str) -> int:
+    """What the "acco" block of a DeepSpeed config file sets up: mode, collectives, compression (checked as
+    ``initialize`` checks it; a bad block prints the same error)."""
+    import json
+
+    from .config import parse_acco_config
+    from .runtime.compression import describe
+    try:
+        with open(path) as f:
+            acco = parse_acco_config(json.load(f))
+    except (OSError, ValueError) as err:
+        print(f"{path}: {err}")
+        return 1
+    if acco is None or not acco.enabled:
+        print(f"{path}: no enabled \"acco\" block: stock DeepSpeed")
+        return 0
+    print(f"mode ............... {acco.mode}" + (f" ({acco.accumulation} accumulation)" if not acco.local else ""))
+    if acco.local:
+        print(f"local_sgd .......... {acco.outer}")
+    c = acco.collectives
+    print(f"collectives ........ layout {c.layout}, ranks_per_node {c.ranks_per_node or 'auto (launcher)'}")
+    print(f"compression ........ {describe(acco.compression, acco.local)}")
+    return 0
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "memory":
@@ -116,8 +141,10 @@ def main(argv=None):
         return memory(args[1:])
     if args and args[0] == "report":
         args = args[1:]
+    if len(args) == 2 and args[0] == "--config":
+        return config_report(args[1])
     if args:
-        print("usage: acco-ds report  |  acco-ds memory --params 7e9 --gpus 8 --dtype bf16")
+        print("usage: acco-ds report [--config ds_config.json]  |  acco-ds memory --params 7e9 --gpus 8 --dtype bf16")
         return 2
     import torch
 

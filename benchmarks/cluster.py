@@ -14,6 +14,8 @@ of a run that was killed with SIGKILL).
     python benchmarks/cluster.py convergence  # validation loss vs tokens / wall-clock at 200 Mbit
     python benchmarks/cluster.py twonode      # 4 ranks as 2 nodes of 2: ZeRO-1, ACCO, DiLoCo, CO2
     python benchmarks/cluster.py race         # 2 nodes: every mode trains to 1.01 x stock's final loss
+    python benchmarks/cluster.py compression  # 2 nodes at 50 Mbit: int8/fp8 rows beside uncompressed and stock
+    python benchmarks/cluster.py streaming    # 2 nodes at 200 and 50 Mbit: Streaming DiLoCo, F x τ
     python benchmarks/cluster.py one --bandwidth 200mbit --mode dpu   # one row again
     python benchmarks/cluster.py smoke        # a few steps on loopback (tests/test_cluster_smoke.py)
     python benchmarks/cluster.py --cleanup    # remove namespaces left by a killed run
@@ -53,7 +55,7 @@ from cluster_convergence import cmd_convergence
 from cluster_runs import (BANDWIDTHS, BLOCK, COMPUTE_STEP_S, GAS, LAYOUTS, MICRO_BS, MODES, PAIR_MODES, RUN_OVERHEAD_S,
                           STOCK, TWONODE_GAS, TWONODE_MICRO_BS, TWONODE_MODES, Bench, fmt3, ideal_step_s,
                           optimal_bytes_per_step, param_count, stats3)
-from cluster_twonode import RACE_MODES, cmd_race, cmd_twonode
+from cluster_twonode import COMPRESSION_MODES, RACE_MODES, cmd_compression, cmd_race, cmd_streaming, cmd_twonode
 from harness import rate_bits
 
 
@@ -246,12 +248,12 @@ def estimate_s(args, parts):
         return RUN_OVERHEAD_S + steps * step
 
     total = RUN_OVERHEAD_S
-    if "twonode" in parts or "race" in parts:  # 4 ranks on 2 cores: twice the compute per step, a slower start
+    if {"twonode", "race", "compression", "streaming"} & set(parts):  # 4 ranks on 2 cores: a slower start
         for bw in args.bandwidths:
             for m in args.modes:
                 rate = None if bw == "unlimited" else rate_bits(bw) / 8
                 if "H=" in m:
-                    comm = 0 if rate is None else 4 * n / int(m.split("H=")[1]) / rate
+                    comm = 0 if rate is None else 4 * n / int(m.split("H=")[1].split()[0]) / rate
                     step = 0.5 * COMPUTE_STEP_S + (comm if m.startswith("diloco") else 0)
                 elif m == STOCK:
                     step = 0.5 * COMPUTE_STEP_S + (0 if rate is None else 9 * n / rate)
@@ -295,7 +297,7 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("command", nargs="?", default="all",
                    choices=["all", "netcheck", "throughput", "hetero", "convergence", "one", "smoke", "twonode",
-                            "race"])
+                            "race", "compression", "streaming"])
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run, and exit")
     p.add_argument("--bandwidths", type=lambda s: s.split(","), default=BANDWIDTHS,
                    help="comma-separated: unlimited (loopback), or a tbf rate such as 1gbit, 200mbit, 50mbit")
@@ -350,7 +352,15 @@ def main():
             args.eval_batches = 16
         if args.tokens == p.get_default("tokens"):
             args.tokens = args.steps * TWONODE_MICRO_BS * TWONODE_GAS * LAYOUTS["twonode"][0] * BLOCK
-    if args.command == "twonode":
+    if args.command == "compression":  # twonode at 50 Mbit: compressed rows beside their uncompressed ones
+        if args.bandwidths == p.get_default("bandwidths"):
+            args.bandwidths = ["50mbit"]
+        args.modes = args.modes or list(COMPRESSION_MODES)
+    if args.command == "streaming":  # twonode at 200 and 50 Mbit: Streaming DiLoCo's F x τ table
+        if args.bandwidths == p.get_default("bandwidths"):
+            args.bandwidths = ["200mbit", "50mbit"]
+        args.modes = args.modes or list(crun.STREAMING_MODES)
+    if args.command in ("twonode", "compression", "streaming"):
         # 64 inner steps of 16,384 tokens (2 syncs at H=32), validation every 8, unlimited/200/50 Mbit.
         args.layout = "twonode"
         if args.bandwidths == p.get_default("bandwidths"):
@@ -373,9 +383,11 @@ def main():
         if name not in MODES:
             raise SystemExit(f"unknown mode {name!r}; known: {', '.join(MODES)}")
     parts = {"all": ["netcheck", "throughput", "hetero", "convergence"], "smoke": ["throughput"],
-             "twonode": ["netcheck", "twonode"], "race": ["netcheck", "race"]}.get(args.command, [args.command])
+             "twonode": ["netcheck", "twonode"], "race": ["netcheck", "race"],
+             "compression": ["netcheck", "compression"],
+             "streaming": ["netcheck", "streaming"]}.get(args.command, [args.command])
     needs_ns = [b for b in args.bandwidths if (b != "unlimited" or args.layout == "twonode")
-                and set(parts) & {"netcheck", "throughput", "one", "twonode", "race"}]
+                and set(parts) & {"netcheck", "throughput", "one", "twonode", "race", "compression", "streaming"}]
     needs_ns += [b for part, b in (("hetero", args.hetero_bandwidth), ("convergence", args.convergence_bandwidth))
                  if part in parts and b != "unlimited"]
     reason = harness.namespaces_unavailable() if needs_ns else None
@@ -401,7 +413,8 @@ def main():
                 print(workload_text(h.calibrate() * GAS), flush=True)
             for part in parts:
                 section = {"netcheck": cmd_netcheck, "throughput": cmd_throughput, "hetero": cmd_hetero,
-                           "convergence": cmd_convergence, "twonode": cmd_twonode, "race": cmd_race}[part](h)
+                           "convergence": cmd_convergence, "twonode": cmd_twonode, "race": cmd_race,
+                           "compression": cmd_compression, "streaming": cmd_streaming}[part](h)
                 if section:
                     sections.append(section)
         except KeyboardInterrupt as e:

@@ -40,6 +40,22 @@ MODES["acco fixed (flat)"] = MODES["acco fixed"] + ["--collectives", "flat"]
 MODES["acco_ds sync (flat)"] = MODES["acco_ds sync"] + ["--collectives", "flat"]
 # A-EDiT: a replica group syncs every 5 s of wall time (about 8 inner steps at 200 Mbit here).
 MODES["a-edit T=5s"] = ["--mode", "edit", "--sync_time_s", "5"]
+# Compressed communication (acco.compression, apply_to auto: what crosses nodes), and the ablation without
+# error feedback.
+for _m in ("acco fixed", "acco adaptive", "diloco H=8", "co2 H=8", "edit H=8"):
+    MODES[f"{_m} int8"] = MODES[_m] + ["--compression", "int8"]
+MODES["acco fixed int8 no-EF"] = MODES["acco fixed int8"] + ["--no_error_feedback"]
+MODES["diloco H=8 int8 no-EF"] = MODES["diloco H=8 int8"] + ["--no_error_feedback"]
+MODES["acco fixed fp8"] = MODES["acco fixed"] + ["--compression", "fp8"]
+# The error-feedback ablation with coarse blocks (one scale per 64K values), where quantization error is large.
+for _m in ("acco fixed int8", "acco fixed int8 no-EF", "diloco H=8 int8", "diloco H=8 int8 no-EF"):
+    MODES[_m.replace("int8", "int8 B=64K")] = MODES[_m] + ["--compression_block", "65536"]
+# Streaming DiLoCo: F fragments, τ steps of overlap, α = 0.5 when overlapped (torchft's test values).
+for _f, _tau in ((1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (4, 0), (4, 1)):
+    MODES[f"diloco H=8 F={_f} τ={_tau}"] = MODES["diloco H=8"] + [
+        "--fragments", str(_f), "--fragment_sync_delay", str(_tau), "--fragment_update_alpha",
+        "0.5" if _tau else "0"]
+STREAMING_MODES = [STOCK, "diloco H=8"] + [m for m in MODES if " F=" in m]
 TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32",
                  "edit H=8", "edit H=32", "a-edit T=5s"]
 LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)
@@ -161,6 +177,9 @@ def summarize_twonode(result, mode):
     if nodes:
         row["inter_node_bytes"] = nodes
         row["inter_mb_per_step"] = max(nodes) / steps / 1e6
+        per_step = result.get("step_tx_bytes") or []
+        if per_step:  # node A (rank 0's namespace), per inner step; the first step after start-up left out
+            row["peak_inter_mb_per_step"] = max(per_step) / 1e6
         row["same_node_readings_agree"] = all(
             abs(a - b) <= 0.01 * max(a, b, 1) for a, b in zip(result["run_tx_bytes_per_rank"][0::2],
                                                             result["run_tx_bytes_per_rank"][1::2]))
@@ -333,7 +352,12 @@ def ideal_internode_bytes_per_step(n, mode):
     between 2 nodes: each sends half of its node's sum (2N) and gets the reduced half back (2N), 4N; an
     all-gather of the parameters: the other node's half, 2N. Stock ZeRO-1: 4N + 2N = 6N; ACCO: 2 rounds of
     (reduce-scatter 2N + all-gather 2N) = 8N; sync and DPU 4N; diloco and co2: one all-reduce of the model
-    (4N) per sync, every H inner steps: 4N / H; edit the same; A-EDiT (T=) 4N per sync it measured (None here)."""
+    (4N) per sync, every H inner steps: 4N / H; edit the same; A-EDiT (T=) 4N per sync it measured (None here).
+    Compressed rows (int8, fp8): (1 + 4/256) / 4 of their uncompressed row."""
+    if " int8" in mode or " fp8" in mode:  # one byte per value + one fp32 scale per 256, instead of 4 bytes
+        base = mode.replace(" no-EF", "").replace(" B=64K", "").replace(" int8", "").replace(" fp8", "")
+        ideal = ideal_internode_bytes_per_step(n, base)
+        return None if ideal is None else ideal * (1 + 4 / 256) / 4
     if "H=" in mode:
         return 4 * n / int(mode.split("H=")[1].split()[0])
     if "T=" in mode:

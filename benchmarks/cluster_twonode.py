@@ -17,7 +17,7 @@ def run_row(h, bw, mode, spec, tag, runs, failed):
         print(f"  {tag} {bw} {mode} FAILED:\n{failed[(bw, mode)]}", flush=True)
 
 
-def cmd_twonode(h):
+def cmd_twonode(h, name="twonode"):
     a = h.args
     spec = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.eval_interval, "eval_batches": a.eval_batches,
             "tokens": a.tokens, "extra": a.extra.split() if a.extra else []}
@@ -86,7 +86,7 @@ def cmd_twonode(h):
         lines += ["", f"**{mode} at {bw} failed**:", "", "```", err, "```"]
     cmds = [r["_record"]["command"] for r in runs.values()]
     text = "\n".join(lines) + "\n\nEach row (one run):\n\n" + "\n".join(f"    {c}" for c in cmds)
-    pngs = plot_twonode(runs, a.bandwidths, a.modes, target_a)
+    pngs = plot_twonode(runs, a.bandwidths, a.modes, target_a, name)
     text += "".join(f"\n\n![{p.stem}]({p.relative_to(ROOT) if p.is_relative_to(ROOT) else p})" for p in pngs)
     print("\n" + text)
     h.tables["twonode"] = table
@@ -110,7 +110,7 @@ def twonode_text(n, a, target_a):
             f"it); the second target: 1.02 × stock ZeRO-1's final validation loss at the same bandwidth.")
 
 
-def plot_twonode(runs, bandwidths, modes, target):
+def plot_twonode(runs, bandwidths, modes, target, name="twonode"):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -135,10 +135,65 @@ def plot_twonode(runs, bandwidths, modes, target):
     axes[0][0].set_ylim(top=min(axes[0][0].get_ylim()[1], 5.6))
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    path = crun.RESULTS / "cluster_twonode.png"
+    path = crun.RESULTS / f"cluster_{name}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+COMPRESSION_MODES = [STOCK, "acco fixed", "acco fixed int8", "acco fixed int8 no-EF", "acco fixed fp8", "diloco H=8",
+                     "diloco H=8 int8", "diloco H=8 int8 no-EF"]
+
+
+def uncompressed_of(mode):
+    """The uncompressed row a compressed one is compared with ("acco fixed int8 no-EF" -> "acco fixed")."""
+    for suffix in (" no-EF", " B=64K", " int8", " fp8"):
+        mode = mode.replace(suffix, "")
+    return mode
+
+
+def cmd_compression(h):
+    """The twonode table for compressed modes beside their uncompressed rows and stock ZeRO-1 (same tokens,
+    same link), then per compressed row: inter-node bytes / uncompressed, loss at equal tokens vs
+    uncompressed, samples/s vs stock."""
+    text = cmd_twonode(h, "compression")
+    table = h.tables["twonode"]
+    lines = ["", "Compressed rows against their uncompressed row (same run, same link, same tokens):", "",
+             "| bandwidth | mode | inter-node MB/step | / uncompressed | val loss | vs uncompressed | samples/s vs "
+             "stock ZeRO-1 |", "|---|---|---|---|---|---|---|"]
+    rows = {(r["bandwidth"], r["mode"]): r for r in table}
+    for (bw, mode), r in rows.items():
+        base = rows.get((bw, uncompressed_of(mode)))
+        if base is None or base is r:
+            continue
+        ratio = r["inter_mb_per_step"] / base["inter_mb_per_step"]
+        dloss = 100 * (r["final_val_loss"] / base["final_val_loss"] - 1)
+        lines.append(f"| {bw} | {mode} | {r['inter_mb_per_step']:.3f} | {ratio:.3f}x | {r['final_val_loss']:.3f} | "
+                     f"{dloss:+.2f}% | {'–' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} |")
+        r.update(bytes_vs_uncompressed=ratio, loss_vs_uncompressed_pct=dloss)
+    section = "\n".join(lines)
+    print(section)
+    return text.replace("### Two nodes: local-SGD vs ACCO", "### Two nodes: compressed communication") + "\n" + section
+
+
+def cmd_streaming(h):
+    """The twonode table for Streaming DiLoCo beside diloco and stock ZeRO-1 (same tokens, same links), then
+    per row: peak and mean bytes per inner step across the cut, the share of outer communication hidden."""
+    text = cmd_twonode(h, "streaming")
+    lines = ["", "Streaming DiLoCo (F fragments, τ steps of overlap) beside diloco H=8 (F=1, τ=0):", "",
+             "| bandwidth | mode | inter-node MB/step mean | peak (one step) | outer comm s | waited s | hidden | "
+             "val loss at equal tokens | samples/s vs stock |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in h.tables["twonode"]:
+        if "H=" not in r["mode"]:
+            continue
+        comm, wait = r.get("outer_comm_s") or 0.0, r.get("outer_wait_s") or 0.0
+        hidden = f"{100 * (1 - wait / comm):.0f}%" if comm > 0 else "–"
+        lines.append(f"| {r['bandwidth']} | {r['mode']} | {r['inter_mb_per_step']:.3f} | "
+                     f"{r.get('peak_inter_mb_per_step', float('nan')):.3f} | {comm:.2f} | {wait:.2f} | {hidden} | "
+                     f"{r['final_val_loss']:.3f} | {'–' if r['speedup'] is None else format(r['speedup'], '.2f')}x |")
+    section = "\n".join(lines)
+    print(section)
+    return text.replace("### Two nodes: local-SGD vs ACCO", "### Two nodes: Streaming DiLoCo") + "\n" + section
 
 
 RACE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "co2 H=8", "edit H=8", "a-edit T=5s"]

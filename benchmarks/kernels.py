@@ -1,10 +1,14 @@
 """Microbenchmark of the acco_ds kernels: fused vs the unfused torch sequence.
 
-    python benchmarks/kernels.py                       # CPU: 1M,4M,16M,64M elements
-    python benchmarks/kernels.py --device cuda         # GPU: 1M,4M,16M,64M,256M elements
+    python benchmarks/kernels.py                       # CPU: AdamW 1M..64M, quantization 1M..16M elements
+    python benchmarks/kernels.py --section quant       # CPU: the quantization section only
+    python benchmarks/kernels.py --device cuda         # GPU: 1M..256M elements
 
 (The CPU default stops at 64M: 256M would need ~10 GB and minutes per size;
-pass --sizes to choose.) For each size it times
+pass --sizes to choose, for both sections.) ``--section`` picks ``adam``,
+``quant`` or ``all`` (the default).
+
+Section ``adam``: for each size it times
 
 * peek:   fused ``adamw_update(commit=False)`` into a bf16 send buffer, vs the
           unfused sequence: clone θ, m, v; AdamW step with torch ops; cast-copy
@@ -17,6 +21,22 @@ time: peek reads θ, g, m, v and writes out; commit also writes θ, m, v), its r
 machine's copy bandwidth (``dst.copy_(src)`` on a large tensor, 2 x 4 bytes per
 element), and the memory each variant allocates beyond its inputs (CUDA: peak
 allocation; CPU: bytes allocated during the call, from the torch profiler).
+Results: ``benchmarks/results/kernels_<device>.json`` and ``.md``.
+
+Section ``quant`` (compressed communication; sizes 1M, 4M, 16M on CPU, 1M..256M
+on GPU), blocks of 256, native op vs the torch reference
+(``acco_ds.ops.reference``), each against ``dst.copy_(src)`` of an fp32 tensor
+of the same size (reads and writes 8 bytes per element):
+
+* quantize int8 / fp8: ``quantize_pack`` of an fp32 gradient with an fp32
+  error-feedback residual: reads x and the residual, writes the values, the
+  scales and the residual (13 bytes per element + 4 per block);
+* dequantize: ``dequantize_accumulate`` of int8 values into fp32: reads the
+  values, the scales and out, writes out (9 bytes per element + 4 per block).
+
+It reports time (median), GB/s (those bytes / time) and the ratio to the copy's
+GB/s at that size. Results: ``benchmarks/results/kernels_quant_<device>.json``
+and ``.md`` (``--out`` names the adam file; the quant file goes next to it).
 """
 
 import argparse
@@ -60,6 +80,13 @@ def timeit(fn, device, repeats):
     return sorted(times)[len(times) // 2]
 
 
+def copy_time(n, device, repeats):
+    """Median time of ``dst.copy_(src)`` for fp32 tensors of ``n`` elements (reads and writes 4 bytes each)."""
+    import torch
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    return timeit(lambda: dst.copy_(src), device, repeats)
+
+
 def extra_memory(fn, device):
     """Bytes a call allocates beyond what exists before it."""
     import torch
@@ -100,7 +127,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--sizes", default=None,
-                   help="comma-separated element counts, e.g. 1M,4M,64M (default: 1M..64M on CPU, 1M..256M on GPU)")
+                   help="comma-separated element counts, e.g. 1M,4M,64M, for both sections (default: adam 1M..64M, "
+                        "quant 1M..16M on CPU; 1M..256M on GPU)")
+    p.add_argument("--section", default="all", choices=["all", "adam", "quant"],
+                   help="adam: the AdamW kernels; quant: quantize_pack / dequantize_accumulate; all: both")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and the op's OpenMP)")
     p.add_argument("--out", default=None, help="results file, .json or .csv (default: "
@@ -112,21 +142,45 @@ def main():
     import torch
     sys.path.insert(0, str(ROOT))
     from acco_ds import ops
-    from acco_ds.ops import reference
 
     dev = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    sizes = [parse_size(s) for s in (args.sizes or ("1M,4M,16M,64M,256M" if dev == "cuda" else "1M,4M,16M,64M"))
-             .split(",")]
+    default_sizes = "1M,4M,16M,64M,256M" if dev == "cuda" else "1M,4M,16M,64M"
+    sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
     native = ops.load_kernels("native", dev)
+    command = shlex.join(["python", "benchmarks/kernels.py", *sys.argv[1:]])
+    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"kernels_{dev}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if args.section in ("all", "adam"):
+        adam_section(args, dev, threads, sizes, native, command, path)
+    if args.section in ("all", "quant"):
+        quant_sizes = [parse_size(s) for s in (args.sizes or ("1M,4M,16M,64M,256M" if dev == "cuda" else "1M,4M,16M"))
+                       .split(",")]
+        quant_section(args, dev, threads, quant_sizes, native, command,
+                      path.with_name(f"{path.stem.replace('kernels', 'kernels_quant', 1)}{path.suffix}"))
+
+
+def write_results(path, rows, text, meta):
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    path.with_suffix(".md").write_text(text)
+    print(f"results: {path} (table: {path.with_suffix('.md')})")
+
+
+def adam_section(args, dev, threads, sizes, native, command, path):
+    import torch
+    from acco_ds.ops import reference
 
     # The machine's copy bandwidth, on tensors far larger than any cache.
     big = (256 if dev == "cuda" else 64) * 2**20
-    src, dst = torch.randn(big, device=dev), torch.empty(big, device=dev)
-    copy_bw = 8 * big / timeit(lambda: dst.copy_(src), dev, args.repeats)
-    del src, dst
+    copy_bw = 8 * big / copy_time(big, dev, args.repeats)
 
     rows = []
     for n in sizes:
@@ -155,11 +209,10 @@ def main():
                   f"{row['torch_GBps']:6.1f} GB/s | extra MB fused {row['fused_extra_MB']:.1f} torch "
                   f"{row['torch_extra_MB']:.1f}", flush=True)
 
-    command = shlex.join(["python", "benchmarks/kernels.py", *sys.argv[1:]])
     header = (f"{machine(dev, threads)}; kernels {native.name}; median of {args.repeats}.\n"
               f"Copy bandwidth (`dst.copy_(src)`, {big // 2**20}M fp32): {copy_bw / 1e9:.1f} GB/s.\n"
               f"Command: `{command}`")
-    table = ["| size | kernel | fused ms | fused GB/s | % of copy | torch ms | torch GB/s | % of copy | speedup | "
+    table = ["| size | kernel | native ms | native GB/s | % of copy | torch ms | torch GB/s | % of copy | speedup | "
              "extra MB fused / torch |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['size'] / 2**20:g}M | {r['kernel']} | {r['fused_ms']:.2f} | {r['fused_GBps']:.1f} | "
@@ -169,18 +222,73 @@ def main():
     text = header + "\n\n" + "\n".join(table) + "\n"
     print("\n" + text)
 
-    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"kernels_{dev}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".csv":
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        path.write_text(json.dumps({"machine": machine(dev, threads), "command": command, "copy_GBps": copy_bw / 1e9,
-                                    "repeats": args.repeats, "kernels": native.name, "rows": rows}, indent=1))
-    path.with_suffix(".md").write_text(text)
-    print(f"results: {path} (table: {path.with_suffix('.md')})")
+    write_results(path, rows, text, {"machine": machine(dev, threads), "command": command, "copy_GBps": copy_bw / 1e9,
+                                     "repeats": args.repeats, "kernels": native.name})
+
+
+def quant_section(args, dev, threads, sizes, native, command, path):
+    """quantize_pack (int8, fp8; fp32 residual) and dequantize_accumulate (into fp32), native vs the torch
+    reference, each against a plain fp32 copy of the same size."""
+    import torch
+    from acco_ds.ops import reference
+
+    block = 256
+    rows = []
+    for n in sizes:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(n, device=dev, generator=g)
+        residual = torch.randn(n, device=dev, generator=g) * 1e-3
+        out = torch.zeros(n, device=dev)
+        scales = torch.empty(reference.num_blocks(n, block), device=dev)
+        copy_s = copy_time(n, dev, args.repeats)
+        copy_bw = 8 * n / copy_s
+        nb = reference.num_blocks(n, block)
+        cases = {}
+        qs = {}
+        for wire in ("int8", "fp8"):
+            qs[wire] = q = torch.empty(n, dtype=reference.WIRE_DTYPES[wire], device=dev)
+            cases[f"quantize {wire}"] = (
+                lambda q=q: native.quantize_pack(x, residual, q, scales, block_size=block),
+                lambda q=q: reference.quantize_pack(x, residual, q, scales, block_size=block), 13 * n + 4 * nb)
+        native.quantize_pack(x, residual, qs["int8"], scales, block_size=block)  # realistic values to add
+        cases["dequantize int8"] = (
+            lambda: native.dequantize_accumulate(qs["int8"], scales, out, block_size=block),
+            lambda: reference.dequantize_accumulate(qs["int8"], scales, out, block_size=block), 9 * n + 4 * nb)
+        rows.append({"size": n, "kernel": "copy", "bytes": 8 * n, "copy_ms": 1e3 * copy_s,
+                     "copy_GBps": copy_bw / 1e9})
+        print(f"{n / 2**20:6.0f}M copy            {1e3 * copy_s:9.2f} ms {copy_bw / 1e9:6.1f} GB/s", flush=True)
+        for name, (fused, unfused, nbytes) in cases.items():
+            row = {"size": n, "kernel": name, "bytes": nbytes, "copy_ms": 1e3 * copy_s, "copy_GBps": copy_bw / 1e9}
+            for variant, fn in (("native", fused), ("torch", unfused)):
+                t = timeit(fn, dev, args.repeats)
+                row[f"{variant}_ms"] = 1e3 * t
+                row[f"{variant}_GBps"] = nbytes / t / 1e9
+                row[f"{variant}_vs_copy"] = nbytes / t / copy_bw
+                row[f"{variant}_extra_MB"] = extra_memory(fn, dev) / 2**20
+            rows.append(row)
+            print(f"{n / 2**20:6.0f}M {name:<15} native {row['native_ms']:9.2f} ms {row['native_GBps']:6.1f} GB/s "
+                  f"({row['native_vs_copy']:.2f}x copy) | torch {row['torch_ms']:9.2f} ms "
+                  f"{row['torch_GBps']:6.1f} GB/s ({row['torch_vs_copy']:.2f}x copy)", flush=True)
+
+    header = (f"{machine(dev, threads)}; kernels {native.name}; median of {args.repeats}; blocks of {block}.\n"
+              f"GB/s: bytes that must move / time (quantize: 13 B/element + 4 B/block, dequantize: 9 B/element "
+              f"+ 4 B/block, copy: 8 B/element); x copy: that over `dst.copy_(src)` of an fp32 tensor of the "
+              f"same size.\nCommand: `{command}`")
+    table = ["| size | kernel | native ms | native GB/s | x copy | torch ms | torch GB/s | x copy | speedup | "
+             "extra MB native / torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kernel"] == "copy":
+            table.append(f"| {r['size'] / 2**20:g}M | copy (`dst.copy_(src)`, fp32) | {r['copy_ms']:.2f} | "
+                         f"{r['copy_GBps']:.1f} | 1.00 | | | | | |")
+            continue
+        table.append(f"| {r['size'] / 2**20:g}M | {r['kernel']} | {r['native_ms']:.2f} | {r['native_GBps']:.1f} | "
+                     f"{r['native_vs_copy']:.2f} | {r['torch_ms']:.2f} | {r['torch_GBps']:.1f} | "
+                     f"{r['torch_vs_copy']:.2f} | {r['torch_ms'] / r['native_ms']:.1f}x | "
+                     f"{r['native_extra_MB']:.0f} / {r['torch_extra_MB']:.0f} |")
+    text = header + "\n\n" + "\n".join(table) + "\n"
+    print("\n" + text)
+    write_results(path, rows, text, {"machine": machine(dev, threads), "command": command, "block_size": block,
+                                     "repeats": args.repeats, "kernels": native.name})
 
 
 if __name__ == "__main__":

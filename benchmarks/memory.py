@@ -3,6 +3,7 @@
     python benchmarks/memory.py [--n_layer 8 --n_embd 448 --steps 4]
     python benchmarks/memory.py --convergence [--steps 150]   # bf16 vs fp32 accumulation, same data
     python benchmarks/memory.py --workload states [--steps 4]  # model-states workload (issue 19, item 7)
+    python benchmarks/memory.py --workload states --compression  # the same with int8 rounds (residuals)
 
 For each precision (fp32 model; bf16 model; bf16 model with
 ``data_types.grad_accum_dtype = "fp32"``) it runs examples/train_gpt.py for a
@@ -154,40 +155,74 @@ def states_workload(args):
               open(out, "w"), indent=1)
 
 
+def _against_stock(args, world, runs, tmp):
+    """Stock ZeRO-1, then each ``(label, probe spec, estimate_memory kwargs)`` of ``runs`` on the model-states
+    workload (fp32, ``world`` ranks): peak RSS per rank, measured − stock (worst rank) beside the estimate."""
+    import memory_probe as probe
+    from acco_ds.memory import estimate_memory
+    stock = probe.launch("stock", "fp32", args.steps, "", args.port, tmp, world=world)
+    n, rows = stock[0]["n_params"], []
+    for i, (label, spec, estimate) in enumerate(runs):
+        res = probe.launch(spec, "fp32", args.steps, "", args.port + 1 + i, tmp, world=world)
+        est = estimate_memory(params=n, gpus=world, dtype="fp32", verbose=False, **estimate)
+        extra = [(a["phases"]["end"]["peak"] - s["phases"]["end"]["peak"]) / 2**20 for a, s in zip(res, stock)]
+        rows.append({"run": label, "measured_extra_mb": extra, "estimated_extra_mb": est["extra_bytes"] / 2**20,
+                     "peak_mb": [a["phases"]["end"]["peak"] / 2**20 for a in res],
+                     "buffers_mb": {k: v / 2**20 for k, v in (res[0]["buffer_bytes"] or {}).items()}})
+    stock_peaks = " / ".join(f"{s['phases']['end']['peak'] / 2**20:.0f}" for s in stock)
+    return n, rows, stock_peaks
+
+
+def _save(args, rows, cmd, name):
+    import torch
+    print(f"command: {cmd}")
+    out = Path(args.out).with_name(name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__}, open(out, "w"), indent=1)
+
+
 def local_sgd_workload(args):
     """The model-states workload on 4 ranks: stock ZeRO-1 vs sync, acco and diloco/co2 with k = 1 and 2,
     measured peak RSS beside ``acco-ds memory``'s estimate (fp32). Without overlap (sync, the local-SGD
     inner steps) no communication buffer is allocated: sync costs what stock costs."""
     import torch
-
-    import memory_probe as probe
-    from acco_ds.memory import estimate_memory
-    tmp = tempfile.mkdtemp(prefix="acco_memlocal_")
-    world, dtype, rows = 4, "fp32", []
-    stock = probe.launch("stock", dtype, args.steps, "", args.port, tmp, world=world)
-    n = stock[0]["n_params"]
-    for i, (mode, k) in enumerate((("sync", world), ("acco", world), ("diloco", 1), ("diloco", 2), ("co2", 2))):
-        spec = mode if k == world else f"{mode}:{k}"
-        res = probe.launch(spec, dtype, args.steps, "", args.port + 1 + i, tmp, world=world)
-        est = estimate_memory(params=n, gpus=world, dtype=dtype, mode=mode, replica_group_size=k, verbose=False)
-        extra = [(a["phases"]["end"]["peak"] - s["phases"]["end"]["peak"]) / 2**20 for a, s in zip(res, stock)]
-        rows.append({"mode": mode, "k": k, "measured_extra_mb": extra, "estimated_extra_mb": est["extra_bytes"] / 2**20,
-                     "peak_mb": [a["phases"]["end"]["peak"] / 2**20 for a in res]})
+    world = 4
+    layouts = (("sync", world), ("acco", world), ("diloco", 1), ("diloco", 2), ("co2", 2))
+    runs = [(f"{mode} k={k}", mode if k == world else f"{mode}:{k}", dict(mode=mode, replica_group_size=k))
+            for mode, k in layouts]
+    n, rows, stock_peaks = _against_stock(args, world, runs, tempfile.mkdtemp(prefix="acco_memlocal_"))
     print(f"\nModel-states workload, {n / 1e6:.2f}M parameters, fp32, {world} ranks (gloo, DS_ACCELERATOR=cpu), "
           f"{args.steps} inner steps, sync_every 2; torch {torch.__version__}, {os.cpu_count()} cores")
     print("| mode | k (replica group) | R | stock peak RSS per rank (MB) | peak RSS per rank (MB) | "
           "measured − stock, worst rank (MB) | acco-ds memory estimate − stock (MB) |")
     print("|---|---|---|---|---|---|---|")
-    stock_peaks = " / ".join(f"{s['phases']['end']['peak'] / 2**20:.0f}" for s in stock)
+    for (mode, k), r in zip(layouts, rows):
+        print(f"| {mode} | {k} | {world // k} | {stock_peaks} | {' / '.join(f'{v:.0f}' for v in r['peak_mb'])} | "
+              f"{max(r['measured_extra_mb']):+.0f} | {r['estimated_extra_mb']:+.0f} |")
+    _save(args, rows, f"python benchmarks/memory.py --workload states --local --steps {args.steps}",
+          "memory_local_sgd.json")
+
+
+def compression_workload(args):
+    """The model-states workload on 2 ranks (fp32): stock ZeRO-1 vs acco and sync, uncompressed and with int8
+    rounds (error-feedback residuals: one partition per other rank, fp32), measured peak RSS beside
+    ``acco-ds memory``'s estimate."""
+    import torch
+    comp = {"dtype": "int8", "apply_to": ["rounds"]}
+    runs = [(spec, spec, dict(mode=spec.split("+")[0], compression=comp if "+int8" in spec else None))
+            for spec in ("acco", "acco+int8", "sync", "sync+int8")]
+    n, rows, stock_peaks = _against_stock(args, 2, runs, tempfile.mkdtemp(prefix="acco_memcomp_"))
+    print(f"\nModel-states workload, {n / 1e6:.2f}M parameters, fp32, 2 ranks (gloo, DS_ACCELERATOR=cpu), "
+          f"{args.steps} steps; torch {torch.__version__}, {os.cpu_count()} cores")
+    print("| run | stock peak RSS per rank (MB) | peak RSS per rank (MB) | measured − stock, worst rank (MB) | "
+          "acco-ds memory estimate − stock (MB) | residuals allocated (MB) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['k']} | {world // r['k']} | {stock_peaks} | "
-              f"{' / '.join(f'{v:.0f}' for v in r['peak_mb'])} | {max(r['measured_extra_mb']):+.0f} | "
-              f"{r['estimated_extra_mb']:+.0f} |")
-    cmd = f"python benchmarks/memory.py --workload states --local --steps {args.steps}"
-    print(f"command: {cmd}")
-    out = Path(args.out).with_name("memory_local_sgd.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    json.dump({"rows": rows, "command": cmd, "torch": torch.__version__}, open(out, "w"), indent=1)
+        print(f"| {r['run']} | {stock_peaks} | {' / '.join(f'{v:.0f}' for v in r['peak_mb'])} | "
+              f"{max(r['measured_extra_mb']):+.0f} | {r['estimated_extra_mb']:+.0f} | "
+              f"{r['buffers_mb'].get('residuals', 0):.0f} |")
+    _save(args, rows, f"python benchmarks/memory.py --workload states --compression --steps {args.steps}",
+          "memory_compression.json")
 
 
 def main():
@@ -197,6 +232,8 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="default 4 (memory), 150 (--convergence)")
     p.add_argument("--convergence", action="store_true")
     p.add_argument("--local", action="store_true", help="with --workload states: diloco/co2 on 4 ranks, k = 1 and 2")
+    p.add_argument("--compression", action="store_true",
+                   help="with --workload states: acco and sync with int8 rounds beside uncompressed, 2 ranks")
     p.add_argument("--workload", default="gpt", choices=["gpt", "states"],
                    help="gpt: examples/train_gpt.py (activation-heavy); states: few large layers (model states)")
     p.add_argument("--port", type=int, default=29631)
@@ -208,6 +245,8 @@ def main():
     args.steps = args.steps or 4
     if args.workload == "states":
         sys.path.insert(0, str(ROOT / "benchmarks"))
+        if args.compression:
+            return compression_workload(args)
         return local_sgd_workload(args) if args.local else states_workload(args)
     import torch
 

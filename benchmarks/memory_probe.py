@@ -216,6 +216,10 @@ def config(dtype, acco, gas=2, micro=2):
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    compress = None
+    if isinstance(acco, str) and acco.endswith("+int8"):  # compressed rounds (one machine: name what to compress)
+        acco, compress = acco[:-len("+int8")], {"dtype": "int8", "apply_to": ["rounds"]}
+        acco = True if acco == "acco" else acco
     if acco is True:
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed", "kernels": "auto"}
     elif acco in ("dpu", "sync"):  # the other round modes
@@ -223,6 +227,8 @@ def config(dtype, acco, gas=2, micro=2):
     elif acco:  # a mode name of the local-SGD family with its replica group size: "diloco:2"
         mode, k = acco.split(":")
         cfg["acco"] = {"enabled": True, "mode": mode, "local_sgd": {"sync_every": 2, "replica_group_size": int(k)}}
+    if compress:
+        cfg["acco"]["compression"] = compress
     return cfg
 
 

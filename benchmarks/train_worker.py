@@ -102,6 +102,13 @@ def main():
                         help="race: or at the first validation after this much training time (evaluations excluded)")
     parser.add_argument("--collectives", choices=["auto", "flat", "hierarchical"], default=None,
                         help='acco.collectives.layout ("auto": hierarchical with more than one node of several ranks)')
+    parser.add_argument("--fragments", type=int, default=None, help="diloco: Streaming DiLoCo fragments (F)")
+    parser.add_argument("--fragment_sync_delay", type=int, default=None, help="Streaming DiLoCo: τ")
+    parser.add_argument("--fragment_update_alpha", type=float, default=None, help="Streaming DiLoCo: α")
+    parser.add_argument("--compression", choices=["int8", "fp8"], default=None,
+                        help="acco.compression.dtype (what crosses nodes is compressed: apply_to auto)")
+    parser.add_argument("--no_error_feedback", action="store_true", help="acco.compression.error_feedback false")
+    parser.add_argument("--compression_block", type=int, default=None, help="acco.compression.block_size")
     parser.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     parser.add_argument("--n_layer", type=int, default=4)
@@ -137,6 +144,12 @@ def main():
             config["acco"]["accumulation"] = args.accumulation
         if args.collectives:
             config["acco"]["collectives"] = {"layout": args.collectives}
+        if args.compression:
+            config["acco"]["compression"] = {"dtype": args.compression}
+            if args.no_error_feedback:
+                config["acco"]["compression"]["error_feedback"] = False
+            if args.compression_block:
+                config["acco"]["compression"]["block_size"] = args.compression_block
         if args.slow_factor > 1:
             config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
         if config["acco"].get("mode") in ("diloco", "co2", "edit"):
@@ -149,6 +162,9 @@ def main():
                 local["sync_time_s"] = args.sync_time_s
             if args.replica_group_size:
                 local["replica_group_size"] = args.replica_group_size
+            for key in ("fragments", "fragment_sync_delay", "fragment_update_alpha"):
+                if getattr(args, key) is not None:
+                    local[key] = getattr(args, key)
             if args.penalty != "none":
                 local["anomaly"] = {"enabled": True, "warmup_syncs": 3}
             if args.penalty == "all":
@@ -198,6 +214,7 @@ def main():
               f"of stdlib source", flush=True)
 
     history = [{"step": 0, "tokens": 0, "time": 0.0, "val_loss": evaluate(engine, val, args.eval_batches, device)}]
+    step_tx = []
     bar = tqdm(total=steps, unit="step", dynamic_ncols=True) if rank == 0 else None
     # Benchmark only: stock DeepSpeed has no ACCO emulation block, so slow its rank here, the same way.
     slow_here = args.slow_factor > 1 and rank == args.slow_rank and not config.get("acco", {}).get("enabled")
@@ -224,6 +241,9 @@ def main():
         losses.append(loss.item())
         if engine.global_steps == before:
             continue
+        tx_now = link_tx_bytes()
+        if tx_now is not None:  # per inner step: the veth counter after it (peak bytes per step)
+            step_tx.append(tx_now[0])
         finished = done()
         # A-EDiT evaluates after every --eval_syncs syncs (a step count is not the same on every rank).
         eval_due = (engine.acco_syncs >= last_sync + args.eval_syncs if timed else
@@ -288,6 +308,7 @@ def main():
         "first_loss": history[0]["val_loss"], "final_val_loss": history[-1]["val_loss"],
         "finalize_s": finalize_s, "final_val_loss_finalized": finalized_loss,
         "final_train_loss": sum(losses[-2 * gas:]) / len(losses[-2 * gas:]), "history": history,
+        "step_tx_bytes": [b - a for a, b in zip(step_tx, step_tx[1:])],  # this rank's node, per inner step
         "micro_batches": micro, "skipped_steps": engine.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,

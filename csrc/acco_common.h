@@ -167,4 +167,163 @@ ACCO_HD void store_from_float(void* p, int64_t i, float x) {
   }
 }
 
+// ---------------------------------------------------------------- block quantization
+// Wire values of compressed communication (acco_ds/ops/reference.py: quantize_pack, dequantize_accumulate).
+enum QType : int { kInt8 = 0, kFp8E4M3 = 1 };
+
+template <int QType>
+ACCO_HD float qmax() {
+  return QType == kInt8 ? 127.0f : 448.0f;
+}
+
+// Single float operations, each rounded on its own: on the device the _rn intrinsics, which nvcc never
+// contracts into an fma (whatever -fmad says); on the host -ffp-contract=off does the same.
+ACCO_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ACCO_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+ACCO_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ACCO_HD float div_rn(float a, float b) {  // IEEE division, as torch's `/` (never a * (1/b))
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// float8_e4m3fn bits -> float (exact: every e4m3 value is a float). 0x7F/0xFF are NaN; no infinities.
+// Selects, not branches, so the loop vectorizes.
+ACCO_HD float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+  const float normal = bits_to_float(sign | ((e + 120u) << 23) | (m << 20));          // (1 + m/8) 2^(e-7)
+  // Subnormal m 2^-9 = (1 + m/8) 2^-6 - 2^-6, exact (no int -> float conversion: the loop vectorizes).
+  const float sub_abs = sub_rn(bits_to_float((121u << 23) | (m << 20)), 0.015625f);
+  const float sub = bits_to_float(sign | float_to_bits(sub_abs));
+  const float value = e == 0 ? sub : normal;
+  return (b & 0x7F) == 0x7F ? bits_to_float(sign | 0x7FC00000u) : value;
+}
+
+// float -> float8_e4m3fn bits, round to nearest even: c10::Float8_e4m3fn's conversion (fp8e4m3fn_from_fp32_value),
+// both of its paths computed and one selected, so the loop vectorizes. Callers clamp to +-448 (480 and above
+// would give NaN).
+ACCO_HD uint8_t float_to_fp8_e4m3(float y) {
+  const uint32_t bits = float_to_bits(y);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t f_bits = bits ^ sign;
+  // Below 2^-6: a subnormal, rounded by a float addition (in 2^14 + |y| the ulp is 2^-9, e4m3's step there).
+  const uint32_t denorm_mask = 141u << 23;
+  const uint32_t sub = float_to_bits(add_rn(bits_to_float(f_bits), bits_to_float(denorm_mask))) - denorm_mask;
+  // Normal: rebias the exponent, round the mantissa to 3 bits, ties to even.
+  const uint32_t normal = (f_bits + ((7u - 127u) << 23) + 0x7FFFFu + ((f_bits >> 20) & 1u)) >> 20;
+  uint32_t result = f_bits < (121u << 23) ? sub : normal;
+  result = f_bits >= (1087u << 20) ? 0x7Fu : result;  // 480 and above, NaN
+  return static_cast<uint8_t>(result | (sign >> 24));
+}
+
+// Typed element loads (DType: kFloat32, kBFloat16, kFloat16; -1: none, reads 0).
+template <int DType>
+ACCO_HD float load_as_float(const void* p, int64_t i) {
+  if constexpr (DType == kFloat32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (DType == kBFloat16) {
+    return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (DType == kFloat16) {
+    return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return 0.0f;
+  }
+}
+
+// The value a quantized send carries: x, plus the residual when there is one (x alone keeps -0.0).
+template <int XD, int RD>
+ACCO_HD float load_v(const void* x, const void* residual, int64_t i) {
+  if constexpr (RD >= 0) {
+    return add_rn(load_as_float<XD>(x, i), load_as_float<RD>(residual, i));
+  } else {
+    return load_as_float<XD>(x, i);
+  }
+}
+
+// A block's scale: max |v| / qmax, or NaN when the block holds a NaN or an infinity (`finite` false).
+template <int QType>
+ACCO_HD float block_scale(float amax, bool finite) {
+  return finite ? div_rn(amax, qmax<QType>()) : bits_to_float(0x7FC00000u);
+}
+
+// One value of a block with scale s (finite, > 0): v / s clamped to +-qmax, then rounded to nearest even
+// (int8) or to the nearest e4m3 value (fp8); returns the wire byte and, in `sent`, the value the receiver
+// gets: the wire value read back as a float, times s (the reference's residual is v - q.float() * scale).
+template <int QType>
+ACCO_HD uint8_t quantize_value(float v, float s, float& sent) {
+  // clamp(-qmax, qmax) as selects (fminf/fmaxf, which must handle NaN, do not vectorize; y is not NaN here).
+  float y = div_rn(v, s);
+  y = y < -qmax<QType>() ? -qmax<QType>() : y;
+  y = y > qmax<QType>() ? qmax<QType>() : y;
+  if constexpr (QType == kInt8) {
+    // Round to nearest, ties to even, as rintf (which gcc does not vectorize): |y| <= 127, so adding
+    // 1.5 * 2^23 leaves no fraction bits and the float addition itself rounds. r is never -0.0 (M - M is
+    // +0.0), so it equals the int8 read back as a float, as the reference multiplies it (rintf's -0.0 would
+    // turn the residual of v = -0.0 into +0.0). Using r, not int8 -> float, keeps the loop vectorizable.
+    const float r = sub_rn(add_rn(y, 12582912.0f), 12582912.0f);
+    sent = mul_rn(r, s);
+    return static_cast<uint8_t>(static_cast<int>(r));
+  } else {
+    const uint8_t b = float_to_fp8_e4m3(y);
+    sent = mul_rn(fp8_e4m3_to_float(b), s);
+    return b;
+  }
+}
+
+template <int QType>
+ACCO_HD float wire_to_float(uint8_t b) {
+  if constexpr (QType == kInt8) {
+    return static_cast<float>(static_cast<int8_t>(b));
+  } else {
+    return fp8_e4m3_to_float(b);
+  }
+}
+
+// Store for the quantization kernels' float outputs (residual, out): as store_from_float, except that on
+// the host a NaN becomes bf16 0xFFFF, as torch's vectorized CPU cast writes it (Vectorized<BFloat16>,
+// AVX2/AVX-512: what `residual.copy_(v - sent)` in the reference runs), where c10::BFloat16 writes 0x7FC0.
+// On the device torch's cast is __float2bfloat16_rn, as store_from_float.
+template <int DType>
+ACCO_HD void store_cast(void* p, int64_t i, float x) {
+#if defined(__CUDA_ARCH__)
+  store_from_float<DType>(p, i, x);
+#else
+  if constexpr (DType == kBFloat16) {
+    static_cast<uint16_t*>(p)[i] = x != x ? static_cast<uint16_t>(0xFFFF) : float_to_bf16_bits(x);
+  } else {
+    store_from_float<DType>(p, i, x);
+  }
+#endif
+}
+
+// out + q * scale for one element: the product rounded to float, then the sum (no fma).
+template <int QType>
+ACCO_HD float dequantize_add(float out, uint8_t b, float s) {
+  return add_rn(out, mul_rn(wire_to_float<QType>(b), s));
+}
+
 }  // namespace acco

@@ -18,9 +18,22 @@ class TinyNet(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def make_model(seed: int = 0) -> TinyNet:
+class DeepNet(nn.Module):
+    """Four layers (eight parameters of 3 to 64 elements): enough for four Streaming DiLoCo fragments."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(7, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def make_model(seed: int = 0, kind: str = "tiny") -> nn.Module:
     torch.manual_seed(seed)
-    return TinyNet()
+    return DeepNet() if kind == "deep" else TinyNet()
 
 
 def micro_batch(worker: int, i: int):

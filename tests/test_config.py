@@ -57,6 +57,32 @@ def test_enabled_takes_only_json_booleans(value):
     ({"enabled": True, "collectives": {"layout": "ring"}}, '"acco.collectives.layout"'),
     ({"enabled": True, "collectives": {"ranks_per_node": 0}},
      '"acco.collectives.ranks_per_node": Input should be greater than or equal to 1'),
+    ({"enabled": True, "mode": "diloco", "local_sgd": {"sync_every": 8, "fragments": 3}},
+     "acco.local_sgd.fragments (3) must divide acco.local_sgd.sync_every (8)"),
+    ({"enabled": True, "mode": "diloco", "local_sgd": {"sync_every": 8, "fragments": 2, "fragment_sync_delay": 4}},
+     "acco.local_sgd.fragment_sync_delay (4) must be below sync_every / fragments = 4"),
+    ({"enabled": True, "mode": "diloco", "local_sgd": {"fragment_update_alpha": 1.5}},
+     '"acco.local_sgd.fragment_update_alpha": Input should be less than or equal to 1'),
+    ({"enabled": True, "mode": "co2", "local_sgd": {"fragments": 2}},
+     'acco.local_sgd.fragments is Streaming DiLoCo\'s: it applies to mode "diloco", not to mode "co2"'),
+    ({"enabled": True, "mode": "edit", "local_sgd": {"fragment_update_alpha": 0.5}},
+     'acco.local_sgd.fragment_update_alpha is Streaming DiLoCo\'s'),
+    ({"enabled": True, "mode": "acco", "local_sgd": {"fragments": 2}}, "acco.local_sgd configures the local-SGD modes"),
+    ({"enabled": True, "compression": {"dtype": "int4"}},
+     '"acco.compression.dtype": Input should be \'int8\' or \'fp8\''),
+    ({"enabled": True, "compression": {"dtype": "int8", "block_size": 4}},
+     '"acco.compression.block_size": Input should be greater than or equal to 8'),
+    ({"enabled": True, "compression": {"block_size": 64}},
+     'acco.compression.block_size has no effect without acco.compression.dtype: set "dtype" to "int8" or "fp8"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["outer"]}},
+     'acco.compression.apply_to "outer" compresses the local-SGD outer all-reduce, but acco.mode is "acco"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["rounds", "rounds"]}}, "lists an entry twice"),
+    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": []}}, '"acco.compression.apply_to"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["grads"]}}, '"acco.compression.apply_to.0"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "error_feedback": False, "residual_dtype": "bf16"}},
+     "residual_dtype sets the dtype of the error-feedback residuals, but acco.compression.error_feedback is false"),
+    ({"enabled": True, "compression": {"dtype": "int8", "error_feedback": "yes"}}, '"acco.compression.error_feedback"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "blocksize": 64}}, 'unknown key "acco.compression.blocksize"'),
 ])
 def test_malformed_acco_blocks(block, needle):
     with pytest.raises(ValueError, match="acco") as err:
@@ -167,10 +193,15 @@ def _integer_keys(model, prefix="acco", block=None):
 def _block_with(path: str, value) -> dict:
     """An "acco" block whose key ``path`` is ``value``, in a mode where that key applies."""
     parts = path.split(".")[1:]
-    mode = "edit" if parts[0] == "local_sgd" else "acco"
+    streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+    mode = ("diloco" if streaming else "edit") if parts[0] == "local_sgd" else "acco"
     block = {"enabled": True, "mode": mode}
+    if parts[-1] == "fragments":
+        block["local_sgd"] = {"sync_every": 16}  # a multiple of the values tried
     if parts == ["max_micro_batches_per_round"]:
         block["accumulation"] = "adaptive"
+    if parts[0] == "compression":  # its keys need a dtype
+        block["compression"] = {"dtype": "int8"}
     node = block
     for key in parts[:-1]:
         node = node.setdefault(key, {})
@@ -184,7 +215,7 @@ INTEGER_KEYS = sorted(_integer_keys(ACCOConfig))
 def test_the_integer_keys_are_found():
     assert {"acco.max_micro_batches_per_round", "acco.local_sgd.sync_every", "acco.local_sgd.replica_group_size",
             "acco.local_sgd.anomaly.warmup_syncs", "acco.emulation.slow_rank",
-            "acco.collectives.ranks_per_node"} <= set(INTEGER_KEYS), INTEGER_KEYS
+            "acco.collectives.ranks_per_node", "acco.compression.block_size"} <= set(INTEGER_KEYS), INTEGER_KEYS
 
 
 @pytest.mark.parametrize("path", INTEGER_KEYS)
@@ -196,4 +227,45 @@ def test_integer_keys_take_json_integers_only(path, value):
     message = str(err.value)
     assert f'"{path}": Input should be a valid integer (got {value!r})' in message, message
     assert "a JSON integer, not a string, a float or a boolean" in message
-    parse_acco_config({"acco": _block_with(path, 4)})  # the same key with a JSON integer is accepted
+    parse_acco_config({"acco": _block_with(path, 8)})  # the same key with a JSON integer is accepted
+
+
+def test_what_compression_applies_to_and_says():
+    """Default ("auto"): what crosses nodes; a listed entry wherever it runs; the words the banner prints."""
+    from acco_ds.runtime.compression import describe
+    off = parse_acco_config({"acco": {"enabled": True}})
+    assert not off.compression.enabled and describe(off.compression, False) == "off (full precision)"
+    auto = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "compression": {"dtype": "int8"}}})
+    c = auto.compression
+    assert (c.block_size, c.error_feedback, c.residual_dtype, c.apply_to) == (256, True, "fp32", None)
+    assert c.applies_to("rounds", True) and not c.applies_to("rounds", False) and c.applies_to("outer", True)
+    assert describe(c, True, rounds=False, outer=True) == ("int8, one fp32 scale per 256 values, error feedback "
+                                                           "in fp32, on: outer all-reduce; auto: only groups that "
+                                                           "span nodes")
+    forced = parse_acco_config({"acco": {"enabled": True, "compression": {"dtype": "fp8", "apply_to": ["rounds"],
+                                                                        "error_feedback": False}}}).compression
+    assert forced.applies_to("rounds", False) and not forced.applies_to("outer", True)
+    assert describe(forced, False).startswith("fp8, one fp32 scale per 256 values, no error feedback, on: round")
+
+
+def test_memory_plan_counts_compression():
+    """Residuals: (P-1) partitions (P ranks in the quantized step: W flat, the nodes node-aware) in the
+    residual dtype; the kept shard becomes fp32 (acco); sync needs a target shard; the outer all-reduce
+    about one shard."""
+    from acco_ds.memory import acco_buffer_bytes, estimate_memory, outer_residual_bytes
+    n, W = 1 << 20, 8
+    base = acco_buffer_bytes(n, W, "bf16", mode="acco")
+    int8 = {"dtype": "int8"}
+    assert acco_buffer_bytes(n, W, "bf16", mode="acco", compression=int8) == base + 7 * n // W * 4 + n // W * 2 - \
+        n // W * 2  # + residuals, kept bf16 -> fp32, the bf16 reduce output is gone
+    assert acco_buffer_bytes(n, W, "bf16", mode="acco", compression=int8, nodes=2) == base + n // W * 4
+    assert acco_buffer_bytes(n, W, "bf16", mode="acco", compression={**int8, "residual_dtype": "bf16"}) == \
+        base + 7 * n // W * 2
+    assert acco_buffer_bytes(n, W, "bf16", mode="acco", compression={**int8, "error_feedback": False}) == base
+    sync = acco_buffer_bytes(n, W, "bf16", mode="sync")
+    # sync: + residuals + a bf16 target shard - the bf16 reduce output
+    assert acco_buffer_bytes(n, W, "bf16", mode="sync", compression=int8) == sync + 7 * n // W * 4
+    assert outer_residual_bytes(n, 2, 4, int8) == n // 2 * 4
+    assert outer_residual_bytes(n, 2, 4, {**int8, "apply_to": ["rounds"]}) == 0
+    est = estimate_memory(params=7e9, gpus=16, dtype="bf16", compression=int8, nodes=2, verbose=False)
+    assert est["acco_bytes"] > estimate_memory(params=7e9, gpus=16, dtype="bf16", verbose=False)["acco_bytes"]

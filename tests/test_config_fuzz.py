@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, LocalSGDConfig, check_deepspeed_config,
-                            parse_acco_config)
+from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
+                            check_deepspeed_config, parse_acco_config)
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
@@ -24,6 +24,7 @@ KNOWN = set(ACCOConfig.model_fields)
 KNOWN_EMULATION = set(ACCOEmulationConfig.model_fields)
 KNOWN_LOCAL = set(LocalSGDConfig.model_fields)
 KNOWN_COLLECTIVES = set(CollectivesConfig.model_fields)
+KNOWN_COMPRESSION = set(CompressionConfig.model_fields)
 # Misspellings, and names that are special to pydantic or DeepSpeedConfigModel.__init__(strict=...).
 TRICKY_KEYS = ["enabld", "Enabled", "mode ", "modes", "accumulate", "kernel", "timeout", "max_micro_batches",
                "emulations", "strict", "self", "model_config", "model_fields", "__class__", "data", "replace_method",
@@ -44,6 +45,10 @@ local_sgd_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_LOCAL) + ["sync_
 collectives_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_COLLECTIVES) + ["layot", "auto"]),
                                      st.one_of(st.sampled_from(["auto", "flat", "hierarchical", "ring"]),
                                                st.integers(-2, 9), values), max_size=3)
+compression_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_COMPRESSION) + ["dtpye", "auto"]),
+                                     st.one_of(st.sampled_from(["int8", "fp8", "fp32", "bf16", "int4"]),
+                                               st.lists(st.sampled_from(["rounds", "outer", "grads"]), max_size=3),
+                                               st.integers(-2, 600), st.booleans(), values), max_size=4)
 acco_values = {
     "enabled": st.one_of(st.booleans(), values),
     "mode": st.one_of(st.sampled_from(["acco", "dpu", "sync", "diloco", "co2"]), values),
@@ -54,6 +59,7 @@ acco_values = {
     "timeout_s": st.one_of(st.floats(-10, 1e4), values),
     "emulation": st.one_of(emulation_blocks, values),
     "collectives": st.one_of(collectives_blocks, values),
+    "compression": st.one_of(compression_blocks, values),
 }
 
 
@@ -76,6 +82,9 @@ def check_parse(block):
     """parse_acco_config on one block: the config, or None after checking its ValueError."""
     unknown = [f"acco.{k}" for k in block if k not in KNOWN]
     emulation, local, coll = block.get("emulation"), block.get("local_sgd"), block.get("collectives")
+    comp = block.get("compression")
+    if isinstance(comp, dict):
+        unknown += [f"acco.compression.{k}" for k in comp if k not in KNOWN_COMPRESSION]
     if isinstance(emulation, dict):
         unknown += [f"acco.emulation.{k}" for k in emulation if k not in KNOWN_EMULATION]
     if isinstance(coll, dict):
@@ -92,7 +101,8 @@ def check_parse(block):
             paths = [f"acco.{k}" for k in block] + [f"acco.emulation.{k}" for k in (
                 emulation if isinstance(emulation, dict) else {})] + [f"acco.local_sgd.{k}" for k in (
                     local if isinstance(local, dict) else {})] + [f"acco.collectives.{k}" for k in (
-                        coll if isinstance(coll, dict) else {})]
+                        coll if isinstance(coll, dict) else {})] + [f"acco.compression.{k}" for k in (
+                            comp if isinstance(comp, dict) else {})]
             assert any(named(message, p) for p in paths), message
         return None
     assert not unknown, f"unknown keys accepted: {unknown}"
@@ -112,6 +122,10 @@ def check_parse(block):
                                                        and cfg.max_micro_batches_per_round >= 1)
     assert math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0
     assert cfg.collectives.layout in ("auto", "flat", "hierarchical")
+    c = cfg.compression
+    assert c.dtype in (None, "int8", "fp8") and type(c.block_size) is int and c.block_size >= 8
+    assert c.enabled or not (set(comp) - {"dtype"} if isinstance(comp, dict) else False), "a key without dtype"
+    assert c.apply_to is None or (c.apply_to and set(c.apply_to) <= {"rounds", "outer"})
     n = cfg.collectives.ranks_per_node
     assert n is None or (type(n) is int and n >= 1)
     em = cfg.emulation

@@ -54,6 +54,11 @@ def test_save_load_and_read_paths_of_every_mode_would_be_valid_on_nccl(tmp_path)
         "edit": common.ds_config(acco=local("edit", sync_every=2, weighting="norm", pseudo_grad_clip=0.01,
                                             anomaly={"enabled": True, "warmup_syncs": 2}), gas=GAS),
         "a-edit": common.ds_config(acco=local("edit", sync_time_s=9.0), gas=GAS),  # as test_edit
+        # Compressed rounds and outer all-reduce: quantize, all-to-all, all-gather of the wire bytes.
+        "acco int8": common.ds_config(acco={"mode": "acco", "compression": {"dtype": "int8", "apply_to": ["rounds"]}},
+                                      gas=GAS),
+        "diloco int8": common.ds_config(acco={**local("diloco", sync_every=2), "compression": {
+            "dtype": "int8", "apply_to": ["rounds", "outer"]}}, gas=GAS),
     }
     ckpt = {name: str(tmp_path / name.replace(" ", "_")) for name in configs}
 

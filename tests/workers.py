@@ -75,7 +75,7 @@ def run(spec, rank, world):
         mpu = tp.FakeMPU(spec["tp"])
         model, data_rank = tp.TPNet(mpu, spec.get("seed", 0)), mpu.get_data_parallel_rank()
     else:
-        model = common.make_model(spec.get("seed", 0))
+        model = common.make_model(spec.get("seed", 0), spec.get("model", "tiny"))
     if spec.get("pipe"):  # DeepSpeed's pipeline engine at pipeline size 1 (Megatron-DeepSpeed's default)
         from deepspeed.pipe import PipelineModule
         model = PipelineModule(layers=[model.fc1, torch.nn.Tanh(), model.fc2], num_stages=1,

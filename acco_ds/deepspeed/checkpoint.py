@@ -42,6 +42,7 @@ def save_state(opt) -> dict:
         "acc": [b.acc.clone() for b in opt.buffers] if opt.local_micro else None,
         "kept": [b.kept.clone() for b in opt.buffers],
         "kept_scale": [b.kept_scale for b in opt.buffers],
+        "residuals": [None if b.residual is None else b.residual.clone() for b in opt.buffers],
         "kept_count": opt.kept.count,
         "kept_finite": opt.kept.finite,
         "compute_part": [_my_part(opt, f, i).clone() for i, f in enumerate(opt.bit16_groups_flat)],
@@ -51,6 +52,31 @@ def save_state(opt) -> dict:
         "outer": opt.outer.state_dict(),
         "host_counters": opt.host_counters,
     }
+
+
+def load_residuals(owners, saved, what: str) -> None:
+    """Restore compression residuals (``owner.residual`` of each owner) saved as a list; a run that turned
+    compression on or off since the save is told what happens to them."""
+    from .compat import logger
+    saved = saved or [None] * len(owners)
+    have, had = any(o.residual is not None for o in owners), any(r is not None for r in saved)
+    if had and not have:
+        logger.warning(f"ACCO: the checkpoint holds error-feedback residuals of {what} but this run does not "
+                       f"compress it (or has error_feedback off): they are dropped (what quantization left out "
+                       f"of the last sends is not sent)")
+        return
+    if have and not had:
+        logger.warning(f"ACCO: compression of {what} starts here: its error-feedback residuals start at zero")
+        return
+    for owner, res in zip(owners, saved):
+        if owner.residual is None:
+            continue
+        if res.numel() != owner.residual.numel():
+            raise ValueError(f"ACCO: the checkpoint's error-feedback residuals of {what} have {res.numel()} "
+                             f"elements, this run's {owner.residual.numel()}: the node layout "
+                             f"(acco.collectives) changed since the save. Resume with the same acco.collectives, "
+                             f"or load with load_optimizer_states=False")
+        owner.residual.copy_(res)
 
 
 def find_state(opt, state_dict_list):
@@ -85,6 +111,7 @@ def load_state(opt, acco: dict) -> None:
         buf.kept.copy_(saved)
         buf.kept_scale = scale
     opt.kept.count, opt.kept.finite = int(acco["kept_count"]), bool(acco["kept_finite"])
+    load_residuals(opt.buffers, acco.get("residuals"), "the rounds' reduce-scatter")
     group = opt.comm.group
     for flat, saved in zip(opt.bit16_groups_flat, acco["compute_part"]):
         collectives.all_gather_part(flat, saved, opt.rank, group)

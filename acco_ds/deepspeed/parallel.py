@@ -52,6 +52,13 @@ def node_layout(group, side, acco) -> Optional[NodeLayout]:
                                    timeout_s=acco.timeout_s)
 
 
+def crosses_nodes(group, acco) -> bool:
+    """Does ``group`` (None: the world) have ranks on more than one node?"""
+    ranks = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
+    per_node = ranks_per_node(acco, tdist.get_world_size())
+    return len({r // per_node for r in ranks}) > 1
+
+
 def norm_segments(opt) -> List[List[Tuple[int, int]]]:
     """Per ZeRO-1 group, the (start, length) ranges of this rank's partition that count in the norm."""
     out = []
@@ -70,4 +77,4 @@ def norm_segments(opt) -> List[List[Tuple[int, int]]]:
     return out
 
 
-__all__ = ["every_group", "side_group", "node_layout", "norm_segments"]
+__all__ = ["every_group", "side_group", "node_layout", "crosses_nodes", "norm_segments"]

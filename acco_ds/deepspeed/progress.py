@@ -6,6 +6,7 @@ from typing import List, Tuple
 
 import torch.distributed as tdist
 
+from ..runtime.compression import describe
 from ..runtime.dtypes import dtype_name
 from ..runtime.job import CommResult
 
@@ -19,11 +20,16 @@ def _banner(acco, opt) -> str:
         words = (f"accumulation={acco.accumulation} micro-batches/round={opt.schedule.min_micro}"
                  f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
                  f"world_size={opt.world_size}")
-    words += f" collectives={opt.layout or 'flat'}"
+    words += f" collectives={opt.layout or 'flat'} compression=[{_compression(acco, opt)}]"
     return (f"ACCO engine: mode={acco.mode} {words} model={dtype_name(opt.dtype)} "
             f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
             f"kernels={opt.kernels.name} update={opt.update.name} "
             f"extra buffers={opt.buffer_bytes()['total'] / 2**20:.1f} MiB/rank")
+
+
+def _compression(acco, opt) -> str:
+    outer = opt.outer.stats().get("outer_compression") is not None
+    return describe(acco.compression, acco.local, rounds=opt.codec is not None, outer=outer)
 
 
 def _round_words(s: dict) -> str:
@@ -37,15 +43,18 @@ def report_lines(opt) -> List[Tuple[str, str]]:
     """The mode's lines of a run summary, ``(label, text)``: an outer loop's own, or ACCO's rounds."""
     outer = opt.outer.report()
     s = opt.log.summary()
+    lines = [] if opt.codec is None else [
+        ("compression", f"rounds {opt.codec}: {opt.codec.sent_bytes / 2**20:.2f} MiB sent by this rank "
+                        f"(payload, scales included)")]
     if outer:
         inner = (f"{s['rounds']} inner steps on this rank, ZeRO-1 communication {s['comm_s']:.2f} s "
                  f"(not overlapped); kernels={opt.kernels.name}, update={opt.update.name}")
-        return [("inner steps", inner)] + outer
+        return [("inner steps", inner)] + lines + outer
     hidden = "n/a" if s["hidden_comm_fraction"] is None else f"{100 * s['hidden_comm_fraction']:.0f}%"
     return [("ACCO rounds", f"{s['rounds']} rounds, {s['mean_micro_per_round'] or 0:.2f} micro-batches/round, "
                             f"communication {s['comm_s']:.2f} s of which {hidden} hidden behind compute "
                             f"(compute waited {s['wait_s']:.2f} s); kernels={opt.kernels.name}, "
-                            f"update={opt.update.name}")]
+                            f"update={opt.update.name}")] + lines
 
 
 def _report_commit(engine, result: CommResult) -> None:

@@ -36,6 +36,7 @@ import torch.distributed as tdist
 from ..algorithms.rounds import SYNC, RoundSchedule
 from ..config import ACCOConfig
 from ..runtime.buffers import FlatBuffers, allocated_bytes
+from ..runtime.compression import round_codec
 from ..runtime.comm import CommWorker
 from ..runtime.host_memory import pin_mmap_threshold
 from ..runtime.job import CommResult, KeptShard, RoundJob
@@ -45,7 +46,7 @@ from ..runtime.update import ShardUpdate
 from . import checkpoint
 from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 from .loss_scale import account_loss_scale
-from .parallel import node_layout, norm_segments, side_group
+from .parallel import crosses_nodes, node_layout, norm_segments, side_group
 from .views import ParamView
 
 
@@ -84,10 +85,12 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.comm_dtype = communication_data_type or self.dtype
         # Without overlap (sync rounds, local-SGD inner steps) the job gathers straight into the parameters.
         overlap = self.schedule.overlaps
+        self.codec, rounds_compression = round_codec(acco_config, self.kernels, self.layout, self.world_size,
+                                                     crosses_nodes(group, acco_config))
         self.buffers = [
             FlatBuffers(flat.numel(), int(self.partition_size[i]), self.world_size, self.dtype, self.accum_dtype,
                         self.comm_dtype, flat.device, keep_shard=acco_config.mode == "acco",
-                        params=None if overlap else flat)
+                        params=None if overlap else flat, compression=rounds_compression)
             for i, flat in enumerate(self.bit16_groups_flat)
         ]
         self._hooks = [
@@ -201,7 +204,8 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
         self.comm.submit(RoundJob(rnd, self.buffers, self.single_partition_of_fp32_groups, self.update, self.kept,
                                   self.comm.group, self.rank, self.world_size, local_micro, loss_scale,
                                   loss_divisor=self.gradient_accumulation_steps, norm_segments=self.norm_segments,
-                                  mp_group=self.mp_side, layout=self.layout,
+                                  mp_group=self.mp_side, layout=self.layout, codec=self.codec,
+                                  flats=self.bit16_groups_flat,
                                   clip=self.clip_grad, delay_s=self.acco.emulation.comm_delay_s))
 
     def _after_result(self, rnd, result: CommResult) -> None:
@@ -312,7 +316,9 @@ class ACCOZeroOptimizer(DeepSpeedZeroOptimizer):
     # -------------------------------------------------------- observability
     def round_stats(self) -> dict:
         out = dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
-                   kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes())
+                   kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes(),
+                   compression=None if self.codec is None else str(self.codec),
+                   compressed_bytes=None if self.codec is None else self.codec.sent_bytes)
         out.update(self.outer.stats())
         return out
 

@@ -1,7 +1,12 @@
-"""The kernel of acco_ds, with its pure-torch reference:
+"""The kernels of acco_ds, each with its pure-torch reference:
 
 * ``adamw_update``: fused AdamW update of a flat fp32 shard, written straight
   into the all-gather send buffer; ``commit=False`` (Peek) changes no state.
+* ``quantize_pack``: block quantization of compressed communication in one
+  pass: add the error-feedback residual, one fp32 scale per block, int8 or
+  fp8 e4m3 values, store the new residual.
+* ``dequantize_accumulate``: ``out += q * scale`` per block (the receiver's
+  fp32 sum, or an update applied to bit16 parameters).
 
 (A multi-tensor pack/unpack kernel existed until 0.2: the engine never needed
 it, since backward hooks add each gradient straight into the flat
@@ -30,8 +35,10 @@ _load_errors: Dict[str, str] = {}
 class Kernels:
     """One implementation of the ops: ``name`` says which."""
 
-    def __init__(self, name, adamw_update):
+    def __init__(self, name, adamw_update, quantize_pack=reference.quantize_pack,
+                 dequantize_accumulate=reference.dequantize_accumulate):
         self.name, self._adamw_update = name, adamw_update
+        self.quantize_pack, self.dequantize_accumulate = quantize_pack, dequantize_accumulate
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
@@ -62,13 +69,25 @@ def load_native(device_type: str = "cpu"):
 
 def _native_kernels(device_type: str) -> Kernels:
     module = load_native(device_type)
+    missing = [name for name in ("adamw_update", "quantize_pack", "dequantize_accumulate") if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(f"the {device_type} op module {getattr(module, '__file__', module)} has no "
+                           f"{', '.join(missing)}: it was built from older sources. Rebuild it "
+                           f"(ACCO_BUILD_OPS=1 pip install --no-build-isolation -e .) or delete that file so the "
+                           f"op is JIT-built")
 
     def adamw_update(master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
         module.adamw_update(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(beta1), float(beta2),
                             float(eps), float(weight_decay), float(grad_scale), bool(commit), bool(adamw))
 
-    return Kernels(f"native-{device_type}", adamw_update)
+    def quantize_pack(x, residual, q, scales, *, block_size):
+        module.quantize_pack(x, residual, q, scales, int(block_size))
+
+    def dequantize_accumulate(q, scales, out, *, block_size):
+        module.dequantize_accumulate(q, scales, out, int(block_size))
+
+    return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate)
 
 
 def load_kernels(kernels: str = "auto", device="cpu") -> Kernels:

@@ -53,21 +53,44 @@ import torch
 from .dtypes import size as _size
 
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
-               comm_dtype: torch.dtype, keep_shard: bool = True, overlap: bool = True) -> Dict[str, int]:
+               comm_dtype: torch.dtype, keep_shard: bool = True, overlap: bool = True,
+               compression: Optional["RoundCompression"] = None) -> Dict[str, int]:
     """Bytes of each buffer ``FlatBuffers`` allocates for one group (the
     memory plan; ``acco_ds.memory`` and the tests use the same function).
     ``keep_shard``: the mode has estimate rounds (``acco``) and so a kept shard;
-    ``overlap``: communication overlaps compute (``acco``, ``dpu``)."""
+    ``overlap``: communication overlaps compute (``acco``, ``dpu``); ``compression``: compressed rounds."""
     if overlap:
         communication = numel * max(_size(comm_dtype), _size(model_dtype))
     else:  # a cast buffer only when the accumulator is not already in the communication dtype
         communication = 0 if accum_dtype == comm_dtype else numel * _size(comm_dtype)
-    return {
+    plan = {
         "accumulator": numel * _size(accum_dtype),
         "communication": communication,
         "reduced": 0 if comm_dtype == torch.float32 else partition * _size(comm_dtype),
         "shards": partition * (4 + (_size(comm_dtype) if keep_shard else 0)),
     }
+    if compression is not None:
+        # The reduce-scatter writes the fp32 shard directly, the kept shard is fp32; without overlap the
+        # update needs its own target (the all-gather sends target - parameters).
+        plan["reduced"] = 0
+        plan["shards"] = partition * (4 + (4 if keep_shard else 0)) + (0 if overlap else partition * _size(model_dtype))
+        plan["residuals"] = compression.residual_elems(partition) * compression.residual_size
+    return plan
+
+
+@dataclass
+class RoundCompression:
+    """Compressed rounds (``runtime.compression``): ``peers`` ranks in the quantized step (the group, or the
+    rail of a node-aware layout), residuals in ``residual_dtype`` (None: no error feedback)."""
+    peers: int
+    residual_dtype: Optional[torch.dtype]
+
+    @property
+    def residual_size(self) -> int:
+        return 0 if self.residual_dtype is None else _size(self.residual_dtype)
+
+    def residual_elems(self, partition: int) -> int:
+        return 0 if self.residual_dtype is None else (self.peers - 1) * partition
 
 
 @dataclass
@@ -83,6 +106,7 @@ class FlatBuffers:
     device: torch.device
     keep_shard: bool = True  # acco mode: estimate rounds keep their reduced shard
     params: Optional[torch.Tensor] = None  # no overlap: the compute parameters, which the all-gather writes
+    compression: Optional[RoundCompression] = None  # compressed rounds: fp32 reduce output, residuals, target
 
     def __post_init__(self):
         if self.numel != self.partition * self.world_size:
@@ -98,9 +122,17 @@ class FlatBuffers:
             self.comm = empty(self.numel, wide)
         else:  # no overlap: reduce-scatter from the accumulator (or a cast of it), gather into the parameters
             self.comm = empty(0 if self.accum_dtype == self.comm_dtype else self.numel, self.comm_dtype)
-        self._reduced = None if self.comm_dtype == torch.float32 else empty(self.partition, self.comm_dtype)
+        c = self.compression
+        fp32_reduce = self.comm_dtype == torch.float32 or c is not None  # compressed: summed in fp32
+        self._reduced = None if fp32_reduce else empty(self.partition, self.comm_dtype)
         self.shard = empty(self.partition, torch.float32)
-        self.kept = torch.zeros(self.partition if self.keep_shard else 0, dtype=self.comm_dtype, device=self.device)
+        self.kept = torch.zeros(self.partition if self.keep_shard else 0,
+                                dtype=torch.float32 if c is not None else self.comm_dtype, device=self.device)
+        # Error-feedback residuals of the reduce-scatter (one row per other rank of the quantized step), and
+        # without overlap the update's target (the all-gather sends target - parameters, in place).
+        self.residual = None if c is None or c.residual_dtype is None else \
+            torch.zeros(c.residual_elems(self.partition), dtype=c.residual_dtype, device=self.device)
+        self.target = empty(self.partition, self.model_dtype) if c is not None and self.params is not None else None
         self.kept_scale = 1.0  # what ``kept`` is multiplied by to give the fp32 gradient sum
         self.swap_roles = self.params is None and self.accum_dtype == self.comm_dtype == self.comm.dtype
 
@@ -146,6 +178,10 @@ class FlatBuffers:
     def gathered_part(self, rank: int) -> torch.Tensor:
         return self.gathered.narrow(0, rank * self.partition, self.partition)
 
+    def update_out(self, rank: int) -> torch.Tensor:
+        """Where the update writes this rank's new parameters (the all-gather reads them there)."""
+        return self.target if self.target is not None else self.gathered_part(rank)
+
     def hand_over(self) -> None:
         """Move the accumulated gradients to the communication side and zero
         the accumulator for the next round. Call after the gathered
@@ -168,9 +204,12 @@ class FlatBuffers:
     def nbytes(self) -> Dict[str, int]:
         """Bytes actually allocated, in ``plan_bytes``' terms."""
         b = lambda t: t.numel() * t.element_size()  # noqa: E731
-        return {"accumulator": b(self.acc), "communication": b(self.comm),
-                "reduced": 0 if self._reduced is None else b(self._reduced),
-                "shards": b(self.shard) + b(self.kept)}
+        out = {"accumulator": b(self.acc), "communication": b(self.comm),
+               "reduced": 0 if self._reduced is None else b(self._reduced),
+               "shards": b(self.shard) + b(self.kept) + (0 if self.target is None else b(self.target))}
+        if self.compression is not None:
+            out["residuals"] = 0 if self.residual is None else b(self.residual)
+        return out
 
 
 def allocated_bytes(buffers) -> Dict[str, int]:
@@ -183,4 +222,4 @@ def allocated_bytes(buffers) -> Dict[str, int]:
     return out
 
 
-__all__ = ["FlatBuffers", "plan_bytes", "allocated_bytes"]
+__all__ = ["FlatBuffers", "RoundCompression", "plan_bytes", "allocated_bytes"]

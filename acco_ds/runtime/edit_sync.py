@@ -48,8 +48,9 @@ class LayerwiseSync:
         worker: the outer ``CommWorker`` (its group is ``groups.outer_side``).
     """
 
-    def __init__(self, shards, groups, settings, worker):
+    def __init__(self, shards, groups, settings, worker, compression=None):
         self.shards, self.groups, self.worker = shards, groups, worker
+        self.compression = compression  # compression.OuterCompression: quantized chunk all-reduces (or None)
         self.weighting, self.clip, self.timed = settings.weighting, settings.pseudo_grad_clip, settings.sync_time_s
         a = settings.anomaly
         self.detector = AnomalyDetector(groups.replicas, a.ewma_alpha, a.warmup_syncs, a.threshold) \
@@ -127,7 +128,8 @@ class LayerwiseSync:
                 scale = clip_scale(mean_norm, self.clip)
                 for c in range(len(self.chunks)):
                     self._install(c, anchor, momentum, outer, scale)
-            sent = info.numel() * info.element_size() + sum(d.numel() * d.element_size() for d in self.delta)
+            sent = info.numel() * info.element_size() + (self._sent if self.compression is not None else
+                                                         sum(d.numel() * d.element_size() for d in self.delta))
             return {"norms": norms, "anomalous": anomalous, "weights": weights, "steps": values[R:2 * R],
                     "elapsed": values[2 * R:], "mean_norm": mean_norm, "seconds": time.perf_counter() - t0,
                     "bytes": sent}
@@ -144,6 +146,10 @@ class LayerwiseSync:
 
     def _reduce(self, c: int) -> None:
         i, lo, hi = self.chunks[c]
+        if self.compression is not None:
+            self._sent = (0 if c == 0 else self._sent) + self.compression.all_reduce(
+                self.delta[i][lo:hi], (i, lo), self.groups.outer_side)
+            return
         tdist.all_reduce(self.delta[i][lo:hi], group=self.groups.outer_side)
 
     def _install(self, c: int, anchor, momentum, outer: Callable, scale: float) -> None:

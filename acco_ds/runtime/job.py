@@ -32,7 +32,7 @@ import torch
 import torch.distributed as tdist
 
 from ..algorithms.rounds import COMMIT, Round
-from . import collectives
+from . import collectives, compression
 from .update import clip_coefficient, squared_norm
 
 
@@ -102,6 +102,8 @@ class RoundJob:
     norm_segments: Optional[list] = None
     mp_group: object = None
     layout: object = None  # collectives.NodeLayout: node-aware reduce-scatter and all-gather (None: flat)
+    codec: object = None  # compression.Codec: quantized reduce-scatter and all-gather (None: full precision)
+    flats: Optional[list] = None  # with a codec: the compute parameters (the all-gather sends target - these)
 
     def __call__(self) -> CommResult:
         phases = Phases()
@@ -126,7 +128,10 @@ class RoundJob:
     # ---------------------------------------------------------------- phases
     def reduce_scatter(self) -> None:
         for buf in self.buffers:
-            collectives.reduce_scatter(buf.reduced, buf.send, self.layout or self.group)
+            if self.codec is not None:
+                compression.reduce_scatter(buf.shard, buf.send, self.layout or self.group, self.codec, buf.residual)
+            else:
+                collectives.reduce_scatter(buf.reduced, buf.send, self.layout or self.group)
             buf.sent()
 
     def unscale(self):
@@ -172,6 +177,9 @@ class RoundJob:
         else:
             for out, master in zip(outs, self.masters):
                 out.copy_(master)
+            for buf in self.buffers:  # a non-finite send poisoned its residual: start error feedback afresh
+                if buf.residual is not None:
+                    buf.residual.zero_()
         new_overflow = not math.isfinite(new_sq)
         overflow_scale = self.loss_scale if new_overflow else math.inf
         if self.rnd.add_kept_shard:
@@ -181,12 +189,15 @@ class RoundJob:
         return CommResult(self.rnd.index, self.rnd.comm, total, worker_micro, norm, finite, overflow_scale)
 
     def all_gather(self) -> None:
-        for buf, out in zip(self.buffers, self.outputs()):
-            collectives.all_gather(buf.gathered, out, self.layout or self.group)
+        for i, (buf, out) in enumerate(zip(self.buffers, self.outputs())):
+            if self.codec is not None:
+                compression.all_gather(buf.gathered, self.flats[i], out, self.layout or self.group, self.codec)
+            else:
+                collectives.all_gather(buf.gathered, out, self.layout or self.group)
 
     # --------------------------------------------------------------- helpers
     def outputs(self) -> List[torch.Tensor]:
-        return [buf.gathered_part(self.rank) for buf in self.buffers]
+        return [buf.update_out(self.rank) for buf in self.buffers]
 
     def _squared_norm(self) -> float:
         return squared_norm([buf.shard for buf in self.buffers], self.norm_segments)

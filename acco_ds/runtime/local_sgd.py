@@ -16,6 +16,7 @@ thread too, overlapped with the next forward pass (``runtime.edit_sync``);
 A-EDiT ends its periods on the time read from ``clock``.
 """
 
+import logging
 import time
 from typing import List, Optional, Tuple
 
@@ -25,6 +26,7 @@ import torch.distributed as tdist
 from ..algorithms.periods import CO2, EDIT, PeriodSchedule
 from . import collectives
 from .comm import CommWorker
+from .compression import OuterCompression
 from .edit_sync import LayerwiseSync
 from .outer import outer_step
 from .outer_loop import OuterLoop, ReplicaGroups, Shards
@@ -63,7 +65,14 @@ class LocalSGD(OuterLoop):
         side = co2 or acco.mode == EDIT
         self.outer_comm = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s,
                                      group=groups.outer_side) if side else None
-        self.edit = LayerwiseSync(shards, groups, ls, self.outer_comm) if acco.mode == EDIT else None
+        from .. import ops
+        # Quantized outer all-reduce with error feedback across periods (None: full precision).
+        from ..config import ranks_per_node
+        per_node = ranks_per_node(acco, tdist.get_world_size())
+        crosses = len({r // per_node for r in groups.outer_ranks}) > 1
+        self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses)
+        self.edit = LayerwiseSync(shards, groups, ls, self.outer_comm, self.compression) \
+            if acco.mode == EDIT else None
         self.outer_comm_s = 0.0  # seconds the outer all-reduces took on their thread
         self.outer_wait_s = 0.0  # seconds the compute side waited for them
         self.outer_bytes = 0  # bytes this rank handed to outer all-reduces (payload; the wire adds framing)
@@ -178,10 +187,15 @@ class LocalSGD(OuterLoop):
         outer_step(x, m, mean_delta, lr=st["outer_lr"], momentum=st["outer_momentum"], nesterov=st["nesterov"],
                    staleness_penalty=st["staleness_penalty"], momentum_clip=st["outer_momentum_clip"])
 
-    def _average(self, tensors, group) -> float:
-        """Average ``tensors`` in place across the replicas (the outer group); returns the seconds it took."""
+    def _average(self, tensors, group, keys=None) -> float:
+        """Average ``tensors`` in place across the replicas (the outer group); returns the seconds it took.
+        ``keys``: per tensor, whose error-feedback residual a compressed all-reduce uses (default: its index)."""
         start = time.perf_counter()
-        for t in tensors:
+        for i, t in enumerate(tensors):
+            if self.compression is not None:
+                key = keys[i] if keys is not None else (i, 0)
+                self.outer_bytes += self.compression.all_reduce(t, key, group, divide_by=self.groups.replicas)
+                continue
             self.outer_bytes += t.numel() * t.element_size()
             tdist.all_reduce(t, group=group)
             t.div_(self.groups.replicas)
@@ -217,6 +231,7 @@ class LocalSGD(OuterLoop):
         outer = (f"outer=SGD lr={st['outer_lr']:g} momentum={st['outer_momentum']:g}"
                  f"{' nesterov' if st['nesterov'] else ''}")
         return (f"replicas={self.groups.replicas} x {self.groups.k} ranks (ZeRO-1 inside each) {period} {outer}"
+                f"{'' if self.compression is None else f' outer all-reduce {self.compression.codec}'}"
                 f"{'' if self.outer_comm is None else ' outer communication overlapped'}")
 
     def stats(self) -> dict:
@@ -229,6 +244,8 @@ class LocalSGD(OuterLoop):
                 "replicas": self.groups.replicas,
                 "replica_group_size": self.groups.k, "outer_comm_s": comm, "outer_wait_s": wait,
                 "outer_bytes": self.outer_bytes, "sync_time_s": self.sync_time_s,
+                "outer_compression": None if self.compression is None else str(self.compression.codec),
+                "outer_residual_bytes": 0 if self.compression is None else self.compression.nbytes(),
                 "outer_hidden_fraction": max(0.0, 1.0 - wait / comm) if comm > 0 else None}
 
     def report(self) -> List[Tuple[str, str]]:
@@ -242,7 +259,8 @@ class LocalSGD(OuterLoop):
         hidden = s["outer_hidden_fraction"]
         overlap = ("blocking: nothing hidden" if self.mode == "diloco" else
                    "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
-        per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload), " if syncs else ""
+        per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload" \
+                   f"{'' if self.compression is None else ', ' + str(self.compression.codec)}), " if syncs else ""
         reads = s.get("read_syncs") or 0
         counted = f" over the {syncs - reads} syncs training collected ({reads} collected by a read)" if reads else ""
         lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s"
@@ -273,7 +291,8 @@ class LocalSGD(OuterLoop):
         return {"schedule": self.schedule.state_dict(), "replicas": self.groups.replicas, "k": self.groups.k,
                 "edit": edit,
                 "anchor": clone(self.anchor), "momentum": clone(self.momentum), "start": clone(self.start),
-                "in_flight": clone(self.in_flight)}
+                "in_flight": clone(self.in_flight),
+                "residuals": None if self.compression is None else self.compression.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, sd: Optional[dict]) -> None:
@@ -282,6 +301,9 @@ class LocalSGD(OuterLoop):
             raise ValueError("this checkpoint was saved without a local-SGD mode: its replicas have no anchor to "
                              "resume from. Load only the module weights (load_checkpoint(..., "
                              "load_optimizer_states=False, load_lr_scheduler_states=False))")
+        if sd.get("streaming") is not None and type(self) is LocalSGD:
+            from .streaming import fragments_mismatch
+            raise fragments_mismatch(sd["streaming"]["fragments"], 1)
         if (sd["replicas"], sd["k"]) != (self.groups.replicas, self.groups.k):
             raise checkpoint_mismatch("replica layout (replicas, replica_group_size)", (sd["replicas"], sd["k"]),
                                       (self.groups.replicas, self.groups.k), replicas=True)
@@ -298,6 +320,7 @@ class LocalSGD(OuterLoop):
             mine = getattr(self, name)
             for dst, src in zip(mine or [], sd[name] or []):
                 dst.copy_(src)
+        load_outer_residuals(self.compression, sd.get("residuals"))
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -309,6 +332,8 @@ class LocalSGD(OuterLoop):
                 dst.copy_(src)
         for buf in (self.momentum or []) + (self.in_flight or []):
             buf.zero_()
+        if self.compression is not None:
+            self.compression.load_state_dict(None)  # a new start: nothing left out of earlier sends
         self.schedule.restart()
         self.period_start = self.clock()
 
@@ -317,6 +342,19 @@ class LocalSGD(OuterLoop):
             self.edit.close()
         if self.outer_comm is not None:
             self.outer_comm.close()
+
+
+def load_outer_residuals(compression, saved) -> None:
+    """Restore the outer all-reduce's residuals, saying what happens when compression was turned on or off."""
+    logger = logging.getLogger("acco_ds")
+    if compression is None:
+        if saved:
+            logger.warning("ACCO: the checkpoint holds error-feedback residuals of the outer all-reduce but this run "
+                           "does not compress it: they are dropped")
+        return
+    if saved is None and compression.residual_dtype is not None:
+        logger.warning("ACCO: compression of the outer all-reduce starts here: its residuals start at zero")
+    compression.load_state_dict(saved)
 
 
 __all__ = ["LocalSGD"]

@@ -154,7 +154,7 @@ Factory = Callable[..., OuterLoop]
 # mode -> factory(acco_config, shards, groups), or "module:Class" imported on first use (no import cycle,
 # no cost for modes that are not used).
 OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
-    "diloco": "acco_ds.runtime.local_sgd:LocalSGD",
+    "diloco": "acco_ds.runtime.streaming:build",  # Streaming DiLoCo when its keys are set
     "co2": "acco_ds.runtime.local_sgd:LocalSGD",
     "edit": "acco_ds.runtime.local_sgd:LocalSGD",
 }

@@ -184,6 +184,9 @@ def simulate_local_sgd(mode: str,
                        pseudo_grad_clip: Optional[float] = None,
                        anomaly: Optional[dict] = None,
                        period_steps: Optional[List[List[int]]] = None,
+                       fragments: int = 1,
+                       fragment_sync_delay: int = 0,
+                       fragment_update_alpha: float = 0.0,
                        dtype: torch.dtype = torch.float64) -> dict:
     """``diloco`` / ``co2`` / ``edit`` (docs/design.md section 2) with ``R = world_size / group_size`` replicas.
 
@@ -197,6 +200,12 @@ def simulate_local_sgd(mode: str,
                  the mean of this δ is in flight until the next sync
 
         edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``_edit_mean``)
+
+    Streaming DiLoCo (``diloco`` with ``fragments`` F, ``fragment_sync_delay`` τ, ``fragment_update_alpha``
+    α; docs/design.md section 10): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋;
+    window w of h = sync_every / F steps belongs to fragment f = w mod F; at its step h − τ the mean
+    δ̄_f of x_f − θ_{i,f} is taken, at its step h x_f = Outer(x_f, δ̄_f) with fragment f's own momentum and
+    θ_{i,f} = lerp(x_f, θ_{i,f}, α).
 
     ``period_steps`` (A-EDiT, ``edit`` only): period p runs ``period_steps[p][g]`` inner steps on
     replica g, then syncs with ``w_g`` proportional to those steps; ``steps``/``sync_every`` are unused.
@@ -273,10 +282,31 @@ def simulate_local_sgd(mode: str,
             out["anchor"].append(x.clone())
         return out
 
+    streaming = mode == "diloco" and (fragments, fragment_sync_delay, fragment_update_alpha) != (1, 0, 0.0)
+    if streaming:
+        sizes = [p.numel() for p in params[0]]
+        owner = [fragments * sum(sizes[:j]) // sum(sizes) for j in range(len(sizes))]
+        members = [torch.cat([torch.full((n,), owner[j] == f) for j, n in enumerate(sizes)]) for f in range(fragments)]
+        h, pending = sync_every // fragments, None
+
     for step in range(1, steps + 1):
         for g in range(R):
             inner_step(g)
-        if step % sync_every == 0:
+        if streaming:
+            f, s = ((step - 1) // h) % fragments, step - ((step - 1) // h) * h
+            idx = members[f]
+            if s == h - fragment_sync_delay:
+                pending = torch.stack([x[idx] - theta(g)[idx] for g in range(R)]).mean(0)
+            if s == h:
+                d, mf = pending, m[idx]
+                mf.mul_(outer_momentum).add_(d)
+                x[idx] = x[idx] - outer_lr * (d + outer_momentum * mf if nesterov else mf)
+                m[idx] = mf
+                for g in range(R):
+                    local = theta(g)
+                    local[idx] = torch.lerp(x[idx], local[idx], fragment_update_alpha)
+                    set_replica(g, local)
+        elif step % sync_every == 0:
             if mode == "edit":
                 edit_sync(None)
             elif mode == "diloco":

@@ -18,8 +18,27 @@ void adamw_update(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_av
                          exp_avg_sq.data_ptr<float>(), out_ptr, out_dtype, master.numel(), s, commit);
 }
 
+void quantize_pack(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor q, torch::Tensor scales,
+                   int64_t block_size) {
+  acco::bindings::check_quant_args(x, "x", residual, q, scales, block_size, torch::kCPU);
+  void* r = residual.has_value() ? residual->data_ptr() : nullptr;
+  const int r_dtype = residual.has_value() ? acco::bindings::dtype_code(*residual) : -1;
+  acco::cpu::quantize_pack(x.data_ptr(), acco::bindings::dtype_code(x), r, r_dtype,
+                            static_cast<uint8_t*>(q.data_ptr()), acco::bindings::qtype_code(q),
+                            scales.data_ptr<float>(), x.numel(), block_size);
+}
+
+void dequantize_accumulate(torch::Tensor q, torch::Tensor scales, torch::Tensor out, int64_t block_size) {
+  acco::bindings::check_quant_args(out, "out", std::nullopt, q, scales, block_size, torch::kCPU);
+  acco::cpu::dequantize_accumulate(static_cast<const uint8_t*>(q.data_ptr()), acco::bindings::qtype_code(q),
+                                    scales.data_ptr<float>(), out.data_ptr(), acco::bindings::dtype_code(out),
+                                    out.numel(), block_size);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_update", &adamw_update, "Fused AdamW update of a flat fp32 shard (peek or commit) (CPU)");
+  m.def("quantize_pack", &quantize_pack, "Block quantization with error feedback: x (+ residual) -> q, scales (CPU)");
+  m.def("dequantize_accumulate", &dequantize_accumulate, "out += q * scale per block (CPU)");
 }

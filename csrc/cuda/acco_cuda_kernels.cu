@@ -6,6 +6,12 @@
 //
 // adam_kernel: one grid-stride pass, 4 elements per thread with 16-byte loads
 // when every pointer is aligned (flat ZeRO partitions are), scalar tail.
+// quantize_kernel: one thread block per quantization block (max |v| by a
+// warp-shuffle reduction, then each thread quantizes its strided values);
+// dequantize_kernel: one grid-stride pass. Both round every float operation
+// on its own (add_rn, mul_rn, div_rn in acco_common.h), in the reference's
+// order, so that they agree bit for bit with the torch reference on CPU
+// (tests/test_quant_kernels.py checks it where a GPU is present).
 #include <algorithm>
 
 #include "acco_cuda.h"
@@ -96,7 +102,136 @@ void adam_dispatch(float* master, const float* grad, float* m, float* v, void* o
   }
 }
 
+// ----------------------------------------------------------- block quantization
+// max |v| and "all finite" over the thread block: a warp-shuffle step, then warp 0 over the warps' results.
+// fmaxf drops a NaN, so non-finite values are tracked by `finite`, not by the max.
+__device__ __forceinline__ void block_reduce(float& amax, int& finite) {
+  __shared__ float warp_max[kThreads / 32];
+  __shared__ int warp_finite[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    warp_max[warp] = amax;
+    warp_finite[warp] = finite;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    amax = lane < warps ? warp_max[lane] : 0.0f;
+    finite = lane < warps ? warp_finite[lane] : 1;
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, offset);
+    }
+    if (lane == 0) {
+      warp_max[0] = amax;
+      warp_finite[0] = finite;
+    }
+  }
+  __syncthreads();
+  amax = warp_max[0];
+  finite = warp_finite[0];
+  __syncthreads();  // warp_max is reused by the next quantization block of this thread block
+}
+
+// One thread block per quantization block (grid-stride over blocks): the max over the block, then each
+// thread quantizes its strided values. The block is read twice (it is in L1/L2 on the second read).
+template <int XD, int RD, int QT>
+__global__ void quantize_kernel(const void* __restrict__ x, void* __restrict__ residual, uint8_t* __restrict__ q,
+                                float* __restrict__ scales, int64_t n, int64_t block, int64_t nb) {
+  for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
+    const int64_t lo = b * block;
+    const int64_t hi = lo + (block < n - lo ? block : n - lo);
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      const float v = load_v<XD, RD>(x, residual, i);
+      finite &= isfinite(v) ? 1 : 0;
+      amax = fmaxf(amax, fabsf(v));
+    }
+    block_reduce(amax, finite);
+    const float s = block_scale<QT>(amax, finite != 0);
+    if (threadIdx.x == 0) scales[b] = s;
+    const bool quantize = finite && s != 0.0f;  // else values 0, residual v - 0 * s (v, or NaN)
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      const float v = load_v<XD, RD>(x, residual, i);
+      float sent = mul_rn(0.0f, s);
+      uint8_t byte = 0;
+      if (quantize) byte = quantize_value<QT>(v, s, sent);
+      q[i] = byte;
+      if constexpr (RD >= 0) store_cast<RD>(residual, i, sub_rn(v, sent));
+    }
+  }
+}
+
+template <int QT, int OD>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales,
+                                  void* __restrict__ out, int64_t n, int64_t block) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    store_cast<OD>(out, i, dequantize_add<QT>(load_as_float<OD>(out, i), q[i], scales[i / block]));
+  }
+}
+
+template <int XD, int RD>
+void launch_quantize(const void* x, void* r, uint8_t* q, int q_type, float* scales, int64_t n, int64_t block,
+                     cudaStream_t stream) {
+  const int64_t nb = (n - 1) / block + 1;
+  // Threads: the block size rounded up to whole warps (short blocks leave no idle warps), at most kThreads.
+  int threads = 32;
+  while (threads < kThreads && threads < block) threads *= 2;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(nb, int64_t{1} << 20));
+  if (q_type == kInt8) {
+    quantize_kernel<XD, RD, kInt8><<<grid, threads, 0, stream>>>(x, r, q, scales, n, block, nb);
+  } else {
+    quantize_kernel<XD, RD, kFp8E4M3><<<grid, threads, 0, stream>>>(x, r, q, scales, n, block, nb);
+  }
+}
+
+template <int XD>
+void quantize_r(const void* x, void* r, int r_dtype, uint8_t* q, int q_type, float* scales, int64_t n, int64_t block,
+                cudaStream_t stream) {
+  switch (r_dtype) {
+    case kFloat32: return launch_quantize<XD, kFloat32>(x, r, q, q_type, scales, n, block, stream);
+    case kBFloat16: return launch_quantize<XD, kBFloat16>(x, r, q, q_type, scales, n, block, stream);
+    default: return launch_quantize<XD, -1>(x, r, q, q_type, scales, n, block, stream);
+  }
+}
+
+template <int QT>
+void dequantize_o(const uint8_t* q, const float* scales, void* out, int out_dtype, int64_t n, int64_t block,
+                  cudaStream_t stream) {
+  const int grid = grid_size(n);
+  switch (out_dtype) {
+    case kFloat32: return dequantize_kernel<QT, kFloat32><<<grid, kThreads, 0, stream>>>(q, scales, out, n, block);
+    case kBFloat16: return dequantize_kernel<QT, kBFloat16><<<grid, kThreads, 0, stream>>>(q, scales, out, n, block);
+    default: return dequantize_kernel<QT, kFloat16><<<grid, kThreads, 0, stream>>>(q, scales, out, n, block);
+  }
+}
+
 }  // namespace
+
+void quantize_pack(const void* x, int x_dtype, void* residual, int residual_dtype, uint8_t* q, int q_type,
+                   float* scales, int64_t n, int64_t block, cudaStream_t stream) {
+  if (n == 0) return;
+  switch (x_dtype) {
+    case kFloat32: return quantize_r<kFloat32>(x, residual, residual_dtype, q, q_type, scales, n, block, stream);
+    case kBFloat16: return quantize_r<kBFloat16>(x, residual, residual_dtype, q, q_type, scales, n, block, stream);
+    default: return quantize_r<kFloat16>(x, residual, residual_dtype, q, q_type, scales, n, block, stream);
+  }
+}
+
+void dequantize_accumulate(const uint8_t* q, int q_type, const float* scales, void* out, int out_dtype, int64_t n,
+                           int64_t block, cudaStream_t stream) {
+  if (n == 0) return;
+  if (q_type == kInt8) {
+    dequantize_o<kInt8>(q, scales, out, out_dtype, n, block, stream);
+  } else {
+    dequantize_o<kFp8E4M3>(q, scales, out, out_dtype, n, block, stream);
+  }
+}
 
 void adam_update(float* master, const float* grad, float* m, float* v, void* out, int out_dtype, int64_t n,
                  const AdamScalars& s, bool commit, cudaStream_t stream) {

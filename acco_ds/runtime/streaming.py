@@ -1,0 +1,270 @@
+"""Streaming DiLoCo: ``diloco`` with the model split into fragments that sync at staggered steps.
+
+With F fragments and H = ``sync_every``, a window is h = H / F inner steps. Window w (counted from 0)
+belongs to fragment f = w mod F (round-robin from fragment 0); with s the inner step inside the window
+(1..h):
+
+* at s = h − τ (prepare): δ_f = g_f − θ_f on this rank's part of the fragment (g_f: the fragment's last
+  global values, initially the starting weights; θ_f: the replica's current values), and the mean over
+  replicas starts. With τ > 0 it runs on the outer communication thread while the inner steps go on;
+* at s = h (sync): wait for that fragment only; the outer optimizer (SGD with Nesterov momentum, one
+  momentum per fragment) steps g_f with the mean, g_f ← g_f'; the replica's fragment becomes
+  ``lerp(g_f', θ_f, α) = g_f' + α (θ_f − g_f')`` (θ_f: its values now, τ steps past δ_f).
+
+Each fragment syncs every H inner steps; F = 1, τ = 0, α = 0 is DiLoCo (the host then builds
+``local_sgd.LocalSGD`` itself). Parameter j (element offset o_j in the flat buffers, N elements in all)
+belongs to fragment ⌊F o_j / N⌋, so a fragment is a contiguous range of each flat buffer and, on this
+rank, a slice of each master shard. The anchor g and the momentum are sharded like the master weights
+(8N/k bytes per rank for k ranks per replica, not per fragment); one fragment's δ is in flight at a time.
+Users read every fragment's g_f (``committed_flats``), as in DiLoCo.
+"""
+
+import itertools
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from .comm import CommWorker
+from .local_sgd import LocalSGD
+from .outer_loop import ReplicaGroups, Shards
+
+
+def fragments_mismatch(saved, now) -> ValueError:
+    """A checkpoint of another fragment layout. ``saved``/``now``: fragment counts, or the layouts in words (a
+    plain DiLoCo run calls it with ints when the checkpoint is Streaming DiLoCo's)."""
+    if isinstance(saved, int) and saved == now:  # a streaming checkpoint of F=1 (τ or α set) into plain diloco
+        saved, now = f"Streaming DiLoCo's keys (fragments={saved}, its delay or alpha set)", "plain DiLoCo"
+    words = lambda x: f"acco.local_sgd.fragments={x}" if isinstance(x, int) else x  # noqa: E731
+    return ValueError(f"this diloco checkpoint was saved with {words(saved)} but this run has "
+                      f"{now if isinstance(now, int) else words(now)}: its position in the fragment windows and its "
+                      f"in-flight pseudo-gradient belong to that layout. Resume with the same fragments and "
+                      f"fragment_sync_delay, or load only the module weights (load_checkpoint(..., "
+                      f"load_optimizer_states=False, load_lr_scheduler_states=False)): the outer loop then starts "
+                      f"over from them")
+
+
+def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tuple[int, int, int]]]:
+    """Per fragment, the (group, lo, hi) slices of this rank's master shards it covers (shard coordinates).
+    Raises ``ValueError`` for a fragment without parameters."""
+    sizes = [[p.numel() for p, _ in group] for group in shards.params]
+    total = sum(sum(s) for s in sizes)
+    out: List[List[Tuple[int, int, int]]] = [[] for _ in range(fragments)]
+    counts = [0] * fragments
+    offset = 0
+    for i, group in enumerate(shards.params):
+        P = shards.partition[i]
+        lo_shard, hi_shard = rank * P, (rank + 1) * P
+        ranges = {}
+        for (p, start), n in zip(group, sizes[i]):
+            f = fragments * offset // total
+            counts[f] += 1
+            a, b = ranges.get(f, (start, start + n))
+            ranges[f] = (min(a, start), max(b, start + n))
+            offset += n
+        for f, (a, b) in sorted(ranges.items()):
+            lo, hi = max(a, lo_shard), min(b, hi_shard)
+            if lo < hi:
+                out[f].append((i, lo - lo_shard, hi - lo_shard))
+    empty = [f for f in range(fragments) if counts[f] == 0]
+    if empty:
+        starts = [0, *itertools.accumulate(n for s in sizes for n in s)][:-1]
+        fits = max(F for F in range(1, fragments) if len({F * o // total for o in starts}) == F)
+        raise ValueError(f"acco.local_sgd.fragments = {fragments}: fragment {empty[0]} gets no parameter (a fragment "
+                         f"holds the parameters whose first element falls in its 1/{fragments} of the model's "
+                         f"{total:,} elements, and one parameter spans it). Use fewer fragments: {fits} is the most "
+                         f"below {fragments} that gives every fragment a parameter of this model")
+    return out
+
+
+class StreamingDiLoCo(LocalSGD):
+    """The outer loop of mode ``diloco`` with ``fragments``/``fragment_sync_delay``/``fragment_update_alpha``.
+
+    Args: as ``LocalSGD``.
+    """
+
+    def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
+        super().__init__(acco, shards, groups)
+        ls = acco.local_sgd
+        self.F, self.tau, self.alpha = ls.fragments, ls.fragment_sync_delay, ls.fragment_update_alpha
+        self.h = ls.sync_every // self.F
+        self.slices = fragment_slices(shards, groups.shard, self.F)
+        if self.tau > 0 and self.outer_comm is None:  # the prepared all-reduce runs while inner steps go on
+            self.outer_comm = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side)
+        self.step = 0  # inner steps since the start (or the last restart)
+        self.pending: Optional[dict] = None  # {"fragment", "delta", "received"} of the prepared fragment
+        self.fragment_syncs = [0] * self.F
+        self.fragment_comm_s = [0.0] * self.F
+        self.fragment_wait_s = [0.0] * self.F
+        self.fragment_bytes = [0] * self.F  # payload this rank handed to each fragment's all-reduces
+        self.prepared_at = [0] * self.F  # inner step of each fragment's last δ
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.fragment_syncs)
+
+    # ------------------------------------------------------------------ schedule
+    def _window(self, step: int) -> Tuple[int, int]:
+        """(fragment, step inside its window, 1..h) of inner step ``step`` (1-based)."""
+        w = (step - 1) // self.h
+        return w % self.F, step - w * self.h
+
+    def after_inner_step(self) -> None:
+        self.step += 1
+        f, s = self._window(self.step)
+        if s == self.h - self.tau:
+            self._prepare(f)
+        if s == self.h:
+            self._sync_fragment(f, self.alpha)
+
+    def _parts(self, tensors, f: int):
+        return [tensors[i][lo:hi] for i, lo, hi in self.slices[f]]
+
+    @torch.no_grad()
+    def _prepare(self, f: int) -> None:
+        """δ_f = g_f − θ_f into one buffer; start its mean over the replicas (blocking when τ = 0)."""
+        parts = [g - t for g, t in zip(self._parts(self.anchor, f), self._parts(self.shards.masters, f))]
+        delta = torch.cat(parts) if parts else self.anchor[0].new_zeros(0)
+        self.pending = {"fragment": f, "delta": delta, "received": not parts}
+        self.prepared_at[f] = self.step
+        if not parts:  # this shard holds none of the fragment: nor does any rank of its outer group
+            return
+        key = [("fragment", f)]  # its own error-feedback residual under compression
+
+        def job(group):  # only one all-reduce runs at a time, so the byte count's change is this one's
+            before = self.outer_bytes
+            seconds = self._average([delta], group, key)
+            self.fragment_bytes[f] += self.outer_bytes - before
+            return seconds
+
+        if self.tau == 0:
+            seconds = job(self.groups.outer_main)
+            self.fragment_comm_s[f] += seconds
+            self.fragment_wait_s[f] += seconds
+            self.pending["received"] = True
+        else:
+            self.outer_comm.submit(lambda: job(self.groups.outer_side))
+
+    def _receive(self) -> None:
+        """Wait for the prepared fragment's mean (the compute side's wait is counted)."""
+        if self.pending is None or self.pending["received"]:
+            return
+        f = self.pending["fragment"]
+        t0 = time.perf_counter()
+        self.fragment_comm_s[f] += self.outer_comm.wait() or 0.0
+        self.fragment_wait_s[f] += time.perf_counter() - t0
+        self.pending["received"] = True
+
+    @torch.no_grad()
+    def _sync_fragment(self, f: int, alpha: float) -> None:
+        self._receive()
+        pending, self.pending = self.pending, None
+        assert pending is not None and pending["fragment"] == f, "streaming schedule out of step"
+        mean, start = pending["delta"], 0
+        for x, m, theta in zip(self._parts(self.anchor, f), self._parts(self.momentum, f),
+                               self._parts(self.shards.masters, f)):
+            n = x.numel()
+            self._outer_one(x, m, mean[start:start + n])
+            start += n
+            theta.copy_(torch.lerp(x, theta, alpha) if alpha else x)
+        self.fragment_syncs[f] += 1
+        self.outer_comm_s, self.outer_wait_s = sum(self.fragment_comm_s), sum(self.fragment_wait_s)
+        self._install(self.shards.masters)
+
+    # ------------------------------------------------------------- lifecycle
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Leave every replica on one model: the prepared fragment syncs, then every fragment with inner
+        steps since its last δ syncs once more, blocking, and every replica takes the global values."""
+        if self.pending is not None:
+            self._sync_fragment(self.pending["fragment"], self.alpha)
+        tau, self.tau = self.tau, 0
+        try:
+            for f in range(self.F):
+                if self.prepared_at[f] < self.step:
+                    self._prepare(f)
+                    self._sync_fragment(f, 0.0)
+        finally:
+            self.tau = tau
+        for x, theta in zip(self.anchor, self.shards.masters):
+            theta.copy_(x)
+        self._install(self.shards.masters)
+
+    def state_dict(self) -> dict:
+        self._receive()  # a prepared fragment is saved as received: resume applies it at its sync
+        sd = super().state_dict()
+        sd["streaming"] = {"step": self.step, "fragments": self.F, "fragment_sync_delay": self.tau,
+                           "prepared_at": list(self.prepared_at),
+                           "fragment_syncs": list(self.fragment_syncs),
+                           "pending": None if self.pending is None else {
+                               "fragment": self.pending["fragment"], "delta": self.pending["delta"].clone()}}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        streaming = (sd or {}).get("streaming")
+        if sd is not None and streaming is None:
+            raise fragments_mismatch("plain DiLoCo (no Streaming DiLoCo keys)",
+                                     f"fragments={self.F}, fragment_sync_delay={self.tau}")
+        if sd is not None and streaming["fragments"] != self.F:
+            raise fragments_mismatch(streaming["fragments"], self.F)
+        if sd is not None and streaming.get("fragment_sync_delay", self.tau) != self.tau:
+            raise fragments_mismatch(f"acco.local_sgd.fragment_sync_delay={streaming['fragment_sync_delay']}",
+                                     f"fragment_sync_delay={self.tau}")
+        self._receive()
+        super().load_state_dict(sd)
+        self.step = streaming["step"]
+        self.prepared_at = list(streaming["prepared_at"])
+        self.fragment_syncs = list(streaming["fragment_syncs"])
+        p = streaming["pending"]
+        self.pending = None if p is None else {"fragment": p["fragment"], "delta": p["delta"].clone(),
+                                               "received": True}
+
+    def restart(self) -> None:
+        self._receive()
+        super().restart()
+        self.step, self.pending, self.prepared_at = 0, None, [0] * self.F
+
+    # ---------------------------------------------------------- observability
+    def banner(self) -> str:
+        return (super().banner() + f" streaming: {self.F} fragments, a sync every {self.h} steps, "
+                                   f"fragment_sync_delay={self.tau} fragment_update_alpha={self.alpha:g}")
+
+    def waited_s(self) -> float:
+        return sum(self.fragment_wait_s)
+
+    def stats(self) -> dict:
+        self.outer_comm_s, self.outer_wait_s = sum(self.fragment_comm_s), sum(self.fragment_wait_s)
+        out = super().stats()
+        hidden = [max(0.0, 1.0 - w / c) if c > 0 else None for w, c in zip(self.fragment_wait_s, self.fragment_comm_s)]
+        out.update(syncs=sum(self.fragment_syncs), fragments=self.F, fragment_sync_delay=self.tau,
+                   fragment_update_alpha=self.alpha, fragment_syncs=list(self.fragment_syncs),
+                   fragment_outer_bytes=list(self.fragment_bytes), fragment_outer_comm_s=list(self.fragment_comm_s),
+                   fragment_outer_wait_s=list(self.fragment_wait_s), fragment_hidden_fraction=hidden)
+        return out
+
+    def report(self) -> List[Tuple[str, str]]:
+        s = self.stats()
+        lines = [line for line in super().report() if line[0] != "outer syncs"]
+        hidden = s["outer_hidden_fraction"]
+        overlap = ("blocking (fragment_sync_delay 0): nothing hidden" if self.tau == 0 else
+                   "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
+        lines.append(("outer syncs", f"{s['syncs']} fragment syncs, {s['outer_bytes'] / 2**20:.2f} MiB sent by this "
+                                     f"rank (payload), outer communication {s['outer_comm_s']:.2f} s, {overlap} "
+                                     f"(waited {s['outer_wait_s']:.2f} s)"))
+        per = [f"#{f}: {n} syncs {b / 2**20:.2f} MiB {w:.2f}/{c:.2f} s waited"
+               for f, (n, b, w, c) in enumerate(zip(self.fragment_syncs, self.fragment_bytes, self.fragment_wait_s,
+                                                   self.fragment_comm_s))]
+        lines.append(("fragments", f"{self.F} fragments, a sync every {self.h} inner steps, τ={self.tau}, "
+                                   f"α={self.alpha:g}; " + ", ".join(per)))
+        return lines
+
+
+def build(acco, shards: Shards, groups: ReplicaGroups):
+    """Mode ``diloco``'s outer loop: Streaming DiLoCo when its keys ask for it, else plain DiLoCo."""
+    if acco.local_sgd is not None and acco.local_sgd.streaming:
+        return StreamingDiLoCo(acco, shards, groups)
+    return LocalSGD(acco, shards, groups)
+
+
+__all__ = ["StreamingDiLoCo", "fragment_slices", "fragments_mismatch", "build"]
