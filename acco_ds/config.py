@@ -15,7 +15,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, STREAMING, ACCOEmulationConfig,
+from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, ACCOEmulationConfig,
                            AnomalyConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig, _Documented,
                            ranks_per_node)
 from .config_local import collectives_layout  # noqa: F401 - re-exported (acco_ds.config is the config's face)
@@ -121,7 +121,7 @@ class ACCOConfig(_Documented):
                                          f'applies to mode "edit", not to mode "{self.mode}": remove it or set '
                                          f'acco.mode to "edit"')
             if ls is not None:
-                _check_streaming(self.mode, ls)
+                ls.check_streaming(self.mode)
             if ls is not None and ls.sync_time_s is not None and "sync_every" in ls.model_fields_set:
                 raise ValueError("acco.local_sgd.sync_time_s (A-EDiT: periods end on wall time) and "
                                  "acco.local_sgd.sync_every (periods of a fixed step count) exclude each other: "
@@ -130,24 +130,7 @@ class ACCOConfig(_Documented):
 
     @model_validator(mode="after")
     def _check_compression(self):
-        c = self.compression
-        if not c.enabled:
-            stray = sorted(c.model_fields_set - {"dtype"})
-            if stray:
-                raise ValueError(f'acco.compression.{stray[0]} has no effect without acco.compression.dtype: set '
-                                 f'"dtype" to "int8" or "fp8", or remove acco.compression.{stray[0]}')
-            return self
-        if c.apply_to is not None and len(set(c.apply_to)) != len(c.apply_to):
-            raise ValueError(f"acco.compression.apply_to lists an entry twice ({c.apply_to}): list each of "
-                             f'"rounds", "outer" at most once')
-        if not self.local and c.apply_to is not None and "outer" in c.apply_to:
-            raise ValueError(f'acco.compression.apply_to "outer" compresses the local-SGD outer all-reduce, but '
-                             f'acco.mode is "{self.mode}" (no outer loop): use "apply_to": ["rounds"] or a mode '
-                             f'"diloco"/"co2"/"edit"')
-        if "residual_dtype" in c.model_fields_set and not c.error_feedback:
-            raise ValueError("acco.compression.residual_dtype sets the dtype of the error-feedback residuals, but "
-                             "acco.compression.error_feedback is false: remove residual_dtype or enable "
-                             "error_feedback")
+        self.compression.check(self.mode, self.local)
         return self
 
     @model_validator(mode="after")
@@ -172,23 +155,6 @@ class ACCOConfig(_Documented):
         if self.accumulation == "fixed":
             return low
         return self.max_micro_batches_per_round or 4 * low
-
-
-def _check_streaming(mode: str, ls: LocalSGDConfig) -> None:
-    """Streaming DiLoCo's keys: diloco only, F divides H, τ < H / F."""
-    given = [k for k in STREAMING if k in ls.model_fields_set]
-    if mode != "diloco" and given:
-        raise ValueError(f'acco.local_sgd.{given[0]} is Streaming DiLoCo\'s: it applies to mode "diloco", not to '
-                         f'mode "{mode}": remove it or set acco.mode to "diloco"')
-    if ls.sync_every % ls.fragments:
-        raise ValueError(f"acco.local_sgd.fragments ({ls.fragments}) must divide acco.local_sgd.sync_every "
-                         f"({ls.sync_every}): one fragment syncs every sync_every / fragments inner steps. Use a "
-                         f"divisor of {ls.sync_every}, or a sync_every that is a multiple of {ls.fragments}")
-    window = ls.sync_every // ls.fragments
-    if ls.fragment_sync_delay >= window:
-        raise ValueError(f"acco.local_sgd.fragment_sync_delay ({ls.fragment_sync_delay}) must be below "
-                         f"sync_every / fragments = {window}: a fragment's all-reduce starts that many steps before "
-                         f"its sync, inside its own window. Use at most {window - 1}")
 
 
 def _unknown_keys(model, block: dict, prefix: str) -> list:

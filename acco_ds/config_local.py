@@ -110,6 +110,22 @@ class LocalSGDConfig(_Documented):
         """Streaming DiLoCo keys away from plain DiLoCo's values."""
         return (self.fragments, self.fragment_sync_delay, self.fragment_update_alpha) != (1, 0, 0.0)
 
+    def check_streaming(self, mode: str) -> None:
+        """Streaming DiLoCo's keys: diloco only, F divides H, τ < H / F."""
+        given = [k for k in STREAMING if k in self.model_fields_set]
+        if mode != "diloco" and given:
+            raise ValueError(f'acco.local_sgd.{given[0]} is Streaming DiLoCo\'s: it applies to mode "diloco", not '
+                             f'to mode "{mode}": remove it or set acco.mode to "diloco"')
+        if self.sync_every % self.fragments:
+            raise ValueError(f"acco.local_sgd.fragments ({self.fragments}) must divide acco.local_sgd.sync_every "
+                             f"({self.sync_every}): one fragment syncs every sync_every / fragments inner steps. Use "
+                             f"a divisor of {self.sync_every}, or a sync_every that is a multiple of {self.fragments}")
+        window = self.sync_every // self.fragments
+        if self.fragment_sync_delay >= window:
+            raise ValueError(f"acco.local_sgd.fragment_sync_delay ({self.fragment_sync_delay}) must be below "
+                             f"sync_every / fragments = {window}: a fragment's all-reduce starts that many steps "
+                             f"before its sync, inside its own window. Use at most {window - 1}")
+
     def resolved(self, mode: str) -> dict:
         """The outer settings of ``mode``, defaults filled in."""
         out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in OUTER_DEFAULTS[mode].items()}
@@ -189,6 +205,26 @@ class CompressionConfig(_Documented):
             return False
         return crosses_nodes if self.apply_to is None else what in self.apply_to
 
+    def check(self, mode: str, local: bool) -> None:
+        """How these keys combine with each other and with ``acco.mode`` (a local-SGD mode or not)."""
+        if not self.enabled:
+            stray = sorted(self.model_fields_set - {"dtype"})
+            if stray:
+                raise ValueError(f'acco.compression.{stray[0]} has no effect without acco.compression.dtype: set '
+                                 f'"dtype" to "int8" or "fp8", or remove acco.compression.{stray[0]}')
+            return
+        if self.apply_to is not None and len(set(self.apply_to)) != len(self.apply_to):
+            raise ValueError(f"acco.compression.apply_to lists an entry twice ({self.apply_to}): list each of "
+                             f'"rounds", "outer" at most once')
+        if not local and self.apply_to is not None and "outer" in self.apply_to:
+            raise ValueError(f'acco.compression.apply_to "outer" compresses the local-SGD outer all-reduce, but '
+                             f'acco.mode is "{mode}" (no outer loop): use "apply_to": ["rounds"] or a mode '
+                             f'"diloco"/"co2"/"edit"')
+        if "residual_dtype" in self.model_fields_set and not self.error_feedback:
+            raise ValueError("acco.compression.residual_dtype sets the dtype of the error-feedback residuals, but "
+                             "acco.compression.error_feedback is false: remove residual_dtype or enable "
+                             "error_feedback")
+
 
 def ranks_per_node(acco, world_size: int) -> int:
     """The configured ``collectives.ranks_per_node``, or the launcher's ranks per node, or ``world_size``."""
@@ -197,6 +233,12 @@ def ranks_per_node(acco, world_size: int) -> int:
     if n is None:  # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
         n = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size
     return int(n)
+
+
+def spans_nodes(ranks, acco, world_size: int) -> bool:
+    """Are the global ``ranks`` on more than one node (rank r is on node r // ranks_per_node)?"""
+    per_node = ranks_per_node(acco, world_size)
+    return len({r // per_node for r in ranks}) > 1
 
 
 def collectives_layout(acco, world_size: int) -> str:
@@ -209,4 +251,5 @@ def collectives_layout(acco, world_size: int) -> str:
 
 
 __all__ = ["LocalSGDConfig", "AnomalyConfig", "CollectivesConfig", "CompressionConfig", "ACCOEmulationConfig",
-           "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "STREAMING", "ranks_per_node", "collectives_layout"]
+           "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "STREAMING", "ranks_per_node", "spans_nodes",
+           "collectives_layout"]

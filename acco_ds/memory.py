@@ -31,6 +31,7 @@ from typing import Optional, Union
 import torch
 
 from .runtime.buffers import RoundCompression, plan_bytes
+from .runtime.compression import residual_dtype
 from .runtime.dtypes import DTYPES
 from .runtime.dtypes import as_dtype as _dtype
 from .runtime.dtypes import size as _size
@@ -48,7 +49,7 @@ def round_compression(compression: Optional[dict], peers: int) -> Optional[Round
     c = CompressionConfig(**(compression or {}))
     if not c.applies_to("rounds") or peers < 2:
         return None
-    return RoundCompression(peers, _dtype(c.residual_dtype) if c.error_feedback else None)
+    return RoundCompression(peers, residual_dtype(c))
 
 
 def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtype=None,
@@ -69,10 +70,11 @@ def outer_residual_bytes(numel: int, group_size: int, replicas: int, compression
     all-gather, about one fp32 (or bf16) shard of ``numel / group_size`` elements."""
     from .config_local import CompressionConfig
     c = CompressionConfig(**(compression or {}))
-    if not c.applies_to("outer") or not c.error_feedback:
+    dtype = residual_dtype(c)
+    if not c.applies_to("outer") or dtype is None:
         return 0
     shard = numel // group_size
-    return replicas * -(-shard // replicas) * _size(_dtype(c.residual_dtype))
+    return replicas * -(-shard // replicas) * _size(dtype)
 
 
 def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1) -> int:

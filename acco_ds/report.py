@@ -122,7 +122,7 @@ def config_report(path: str) -> int:
     except (OSError, ValueError) as err:
         print(f"{path}: {err}")
         return 1
-    if acco is None or not acco.enabled:
+    if not acco.enabled:
         print(f"{path}: no enabled \"acco\" block: stock DeepSpeed")
         return 0
     print(f"mode ............... {acco.mode}" + (f" ({acco.accumulation} accumulation)" if not acco.local else ""))

@@ -19,6 +19,7 @@ import torch.distributed as tdist
 
 from ..config import checkpoint_mismatch
 from ..runtime import collectives
+from ..runtime.compression import residuals_to_load
 from ..runtime.job import result_from_dict
 
 ACCO_STATE_KEY = "acco"
@@ -55,18 +56,9 @@ def save_state(opt) -> dict:
 
 
 def load_residuals(owners, saved, what: str) -> None:
-    """Restore compression residuals (``owner.residual`` of each owner) saved as a list; a run that turned
-    compression on or off since the save is told what happens to them."""
-    from .compat import logger
+    """Restore compression residuals (``owner.residual`` of each owner) saved as a list."""
     saved = saved or [None] * len(owners)
-    have, had = any(o.residual is not None for o in owners), any(r is not None for r in saved)
-    if had and not have:
-        logger.warning(f"ACCO: the checkpoint holds error-feedback residuals of {what} but this run does not "
-                       f"compress it (or has error_feedback off): they are dropped (what quantization left out "
-                       f"of the last sends is not sent)")
-        return
-    if have and not had:
-        logger.warning(f"ACCO: compression of {what} starts here: its error-feedback residuals start at zero")
+    if not residuals_to_load(any(o.residual is not None for o in owners), any(r is not None for r in saved), what):
         return
     for owner, res in zip(owners, saved):
         if owner.residual is None:

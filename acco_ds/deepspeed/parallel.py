@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as tdist
 
 from ..config import collectives_layout, ranks_per_node
+from ..config_local import spans_nodes
 from ..runtime import collectives
 from ..runtime.collectives import NodeLayout
 from .compat import is_model_parallel_parameter
@@ -55,8 +56,7 @@ def node_layout(group, side, acco) -> Optional[NodeLayout]:
 def crosses_nodes(group, acco) -> bool:
     """Does ``group`` (None: the world) have ranks on more than one node?"""
     ranks = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
-    per_node = ranks_per_node(acco, tdist.get_world_size())
-    return len({r // per_node for r in ranks}) > 1
+    return spans_nodes(ranks, acco, tdist.get_world_size())
 
 
 def norm_segments(opt) -> List[List[Tuple[int, int]]]:

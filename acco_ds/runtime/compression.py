@@ -30,6 +30,7 @@ Residuals are rank state (checkpointed by the host). A node-aware layout
 inside a node stay at full precision.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -38,8 +39,12 @@ import torch.distributed as tdist
 
 from ..ops.reference import WIRE_DTYPES, num_blocks
 from . import collectives
+from .dtypes import as_dtype
 
-__all__ = ["Codec", "OuterCompression", "describe", "round_codec", "reduce_scatter", "all_gather", "all_reduce",
+logger = logging.getLogger("acco_ds")
+
+__all__ = ["Codec", "OuterCompression", "describe", "round_codec", "residual_dtype", "residuals_to_load",
+           "load_outer_residuals", "reduce_scatter", "all_gather", "all_reduce",
            "rs_residual_elems", "all_reduce_residual_elems"]
 
 
@@ -80,6 +85,11 @@ class Codec:
         return f"{self.dtype} blocks of {self.block_size}"
 
 
+def residual_dtype(c) -> Optional[torch.dtype]:
+    """The dtype of a ``CompressionConfig``'s error-feedback residuals (None: no error feedback)."""
+    return as_dtype(c.residual_dtype) if c.error_feedback else None
+
+
 def round_codec(acco, kernels, layout, world_size: int, crosses_nodes: bool = True):
     """The codec of the rounds and the buffers' ``RoundCompression`` for an ``ACCOConfig``, or (None, None)
     when rounds are not compressed. ``layout``: the node-aware layout (its rail is the quantized step);
@@ -91,8 +101,7 @@ def round_codec(acco, kernels, layout, world_size: int, crosses_nodes: bool = Tr
     peers = layout.nodes if layout is not None else world_size
     if peers == 1:  # a group of one rank sends nothing
         return None, None
-    residual = {"fp32": torch.float32, "bf16": torch.bfloat16}[c.residual_dtype] if c.error_feedback else None
-    return Codec(c.dtype, c.block_size, kernels), RoundCompression(peers, residual)
+    return Codec(c.dtype, c.block_size, kernels), RoundCompression(peers, residual_dtype(c))
 
 
 def describe(c, local: bool, rounds: Optional[bool] = None, outer: Optional[bool] = None) -> str:
@@ -177,8 +186,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, codec: Code
     _flat_reduce_scatter(output, input.view(world, -1), group, codec, residual)
 
 
-def _flat_all_gather(out, current, target, offsets: Sequence[int], group, codec: Codec) -> None:
-    """For each group rank r: ``out[offsets[r]:+P] = current[...] + deq(Q(target_r - current[...]))``."""
+def _flat_all_gather(out, current, target, offsets: Sequence[int], group, codec: Codec,
+                     residual: Optional[torch.Tensor] = None) -> None:
+    """For each group rank r: ``out[offsets[r]:+P] = current[...] + deq(Q(target_r - current[...]))``
+    (``residual``: error feedback on this rank's sends, P elements, or None)."""
     world, rank = tdist.get_world_size(group), tdist.get_rank(group)
     P = target.numel()
     n = min(codec.chunk_elems, max(P, 1))
@@ -191,7 +202,7 @@ def _flat_all_gather(out, current, target, offsets: Sequence[int], group, codec:
         d = delta[:m]
         torch.sub(target[start:start + m], current[mine:mine + m], out=d)  # before ``out`` overwrites target
         segs = gathered[:world * sb]
-        codec.pack(d, None, segs[rank * sb:(rank + 1) * sb])
+        codec.pack(d, None if residual is None else residual[start:start + m], segs[rank * sb:(rank + 1) * sb])
         collectives.all_gather(segs, segs[rank * sb:(rank + 1) * sb], group)
         codec.sent_bytes += sb
         for r in range(world):
@@ -237,17 +248,24 @@ def all_reduce(tensors: List[torch.Tensor], group, codec: Codec, residuals: Opti
                              None if res is None else res[:(world - 1) * P])
         if divide_by != 1.0:
             part.div_(divide_by)
-        # All-gather of the result: quantize (part + residual); everyone, this rank too, adds the dequantized
-        # bytes to zeros. With current = 0 the update is the value itself.
+        # All-gather of the result onto zeros: the "update" is the value itself; everyone, this rank too,
+        # takes the dequantized bytes.
         padded.zero_()
-        gathered = torch.empty(world * codec.segment_bytes(P), dtype=torch.uint8, device=t.device)
-        sb = codec.segment_bytes(P)
-        codec.pack(part, None if res is None else res[(world - 1) * P:], gathered[rank * sb:(rank + 1) * sb])
-        collectives.all_gather(gathered, gathered[rank * sb:(rank + 1) * sb], group)
-        codec.sent_bytes += sb
-        for r in range(world):
-            codec.unpack_add(gathered[r * sb:(r + 1) * sb], padded[r * P:(r + 1) * P])
+        _flat_all_gather(padded, padded, part, [r * P for r in range(world)], group, codec,
+                         None if res is None else res[(world - 1) * P:])
         t.view(-1).copy_(padded[:n])
+
+
+def residuals_to_load(have: bool, had: bool, what: str) -> bool:
+    """Whether saved residuals of ``what`` are to be copied in: a run that turned compression (or its error
+    feedback) on or off since the save is told what happens to them instead."""
+    if had and not have:
+        logger.warning(f"ACCO: the checkpoint holds error-feedback residuals of {what} but this run does not "
+                       f"compress it (or has error_feedback off): they are dropped (what quantization left out "
+                       f"of the last sends is not sent)")
+    elif have and not had:
+        logger.warning(f"ACCO: compression of {what} starts here: its error-feedback residuals start at zero")
+    return have and had
 
 
 class OuterCompression:
@@ -263,8 +281,7 @@ class OuterCompression:
         c = acco.compression
         if not c.applies_to("outer", crosses_nodes):
             return None
-        residual = {"fp32": torch.float32, "bf16": torch.bfloat16}[c.residual_dtype] if c.error_feedback else None
-        return cls(Codec(c.dtype, c.block_size, kernels), residual)
+        return cls(Codec(c.dtype, c.block_size, kernels), residual_dtype(c))
 
     def all_reduce(self, t: torch.Tensor, key, group, divide_by: float = 1.0) -> int:
         """``t ← sum over the group / divide_by`` (``all_reduce``); returns the bytes this rank sent."""
@@ -287,3 +304,11 @@ class OuterCompression:
 
     def nbytes(self) -> int:
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+
+def load_outer_residuals(compression: Optional[OuterCompression], saved: Optional[dict]) -> None:
+    """Restore the outer all-reduce's residuals (``OuterLoop.load_state_dict``)."""
+    have = compression is not None and compression.residual_dtype is not None
+    residuals_to_load(have, (saved is not None) if have else bool(saved), "the outer all-reduce")
+    if have:
+        compression.load_state_dict(saved)

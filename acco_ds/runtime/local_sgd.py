@@ -16,7 +16,6 @@ thread too, overlapped with the next forward pass (``runtime.edit_sync``);
 A-EDiT ends its periods on the time read from ``clock``.
 """
 
-import logging
 import time
 from typing import List, Optional, Tuple
 
@@ -26,7 +25,7 @@ import torch.distributed as tdist
 from ..algorithms.periods import CO2, EDIT, PeriodSchedule
 from . import collectives
 from .comm import CommWorker
-from .compression import OuterCompression
+from .compression import OuterCompression, load_outer_residuals
 from .edit_sync import LayerwiseSync
 from .outer import outer_step
 from .outer_loop import OuterLoop, ReplicaGroups, Shards
@@ -67,9 +66,8 @@ class LocalSGD(OuterLoop):
                                      group=groups.outer_side) if side else None
         from .. import ops
         # Quantized outer all-reduce with error feedback across periods (None: full precision).
-        from ..config import ranks_per_node
-        per_node = ranks_per_node(acco, tdist.get_world_size())
-        crosses = len({r // per_node for r in groups.outer_ranks}) > 1
+        from ..config_local import spans_nodes
+        crosses = spans_nodes(groups.outer_ranks, acco, tdist.get_world_size())
         self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses)
         self.edit = LayerwiseSync(shards, groups, ls, self.outer_comm, self.compression) \
             if acco.mode == EDIT else None
@@ -303,7 +301,11 @@ class LocalSGD(OuterLoop):
                              "load_optimizer_states=False, load_lr_scheduler_states=False))")
         if sd.get("streaming") is not None and type(self) is LocalSGD:
             from .streaming import fragments_mismatch
-            raise fragments_mismatch(sd["streaming"]["fragments"], 1)
+            F = sd["streaming"]["fragments"]
+            if F == 1:  # streaming only by its delay or alpha
+                raise fragments_mismatch("Streaming DiLoCo's keys (fragments=1, its delay or alpha set)",
+                                         "plain DiLoCo")
+            raise fragments_mismatch(f"acco.local_sgd.fragments={F}", "1")
         if (sd["replicas"], sd["k"]) != (self.groups.replicas, self.groups.k):
             raise checkpoint_mismatch("replica layout (replicas, replica_group_size)", (sd["replicas"], sd["k"]),
                                       (self.groups.replicas, self.groups.k), replicas=True)
@@ -342,19 +344,6 @@ class LocalSGD(OuterLoop):
             self.edit.close()
         if self.outer_comm is not None:
             self.outer_comm.close()
-
-
-def load_outer_residuals(compression, saved) -> None:
-    """Restore the outer all-reduce's residuals, saying what happens when compression was turned on or off."""
-    logger = logging.getLogger("acco_ds")
-    if compression is None:
-        if saved:
-            logger.warning("ACCO: the checkpoint holds error-feedback residuals of the outer all-reduce but this run "
-                           "does not compress it: they are dropped")
-        return
-    if saved is None and compression.residual_dtype is not None:
-        logger.warning("ACCO: compression of the outer all-reduce starts here: its residuals start at zero")
-    compression.load_state_dict(saved)
 
 
 __all__ = ["LocalSGD"]

@@ -30,16 +30,11 @@ from .local_sgd import LocalSGD
 from .outer_loop import ReplicaGroups, Shards
 
 
-def fragments_mismatch(saved, now) -> ValueError:
-    """A checkpoint of another fragment layout. ``saved``/``now``: fragment counts, or the layouts in words (a
-    plain DiLoCo run calls it with ints when the checkpoint is Streaming DiLoCo's)."""
-    if isinstance(saved, int) and saved == now:  # a streaming checkpoint of F=1 (τ or α set) into plain diloco
-        saved, now = f"Streaming DiLoCo's keys (fragments={saved}, its delay or alpha set)", "plain DiLoCo"
-    words = lambda x: f"acco.local_sgd.fragments={x}" if isinstance(x, int) else x  # noqa: E731
-    return ValueError(f"this diloco checkpoint was saved with {words(saved)} but this run has "
-                      f"{now if isinstance(now, int) else words(now)}: its position in the fragment windows and its "
-                      f"in-flight pseudo-gradient belong to that layout. Resume with the same fragments and "
-                      f"fragment_sync_delay, or load only the module weights (load_checkpoint(..., "
+def fragments_mismatch(saved: str, now: str) -> ValueError:
+    """A checkpoint of another fragment layout: ``saved`` and ``now`` say which, in the config's words."""
+    return ValueError(f"this diloco checkpoint was saved with {saved} but this run has {now}: its position in the "
+                      f"fragment windows and its in-flight pseudo-gradient belong to that layout. Resume with the "
+                      f"same fragments and fragment_sync_delay, or load only the module weights (load_checkpoint(..., "
                       f"load_optimizer_states=False, load_lr_scheduler_states=False)): the outer loop then starts "
                       f"over from them")
 
@@ -168,7 +163,6 @@ class StreamingDiLoCo(LocalSGD):
             start += n
             theta.copy_(torch.lerp(x, theta, alpha) if alpha else x)
         self.fragment_syncs[f] += 1
-        self.outer_comm_s, self.outer_wait_s = sum(self.fragment_comm_s), sum(self.fragment_wait_s)
         self._install(self.shards.masters)
 
     # ------------------------------------------------------------- lifecycle
@@ -207,7 +201,7 @@ class StreamingDiLoCo(LocalSGD):
             raise fragments_mismatch("plain DiLoCo (no Streaming DiLoCo keys)",
                                      f"fragments={self.F}, fragment_sync_delay={self.tau}")
         if sd is not None and streaming["fragments"] != self.F:
-            raise fragments_mismatch(streaming["fragments"], self.F)
+            raise fragments_mismatch(f"acco.local_sgd.fragments={streaming['fragments']}", str(self.F))
         if sd is not None and streaming.get("fragment_sync_delay", self.tau) != self.tau:
             raise fragments_mismatch(f"acco.local_sgd.fragment_sync_delay={streaming['fragment_sync_delay']}",
                                      f"fragment_sync_delay={self.tau}")
@@ -234,6 +228,7 @@ class StreamingDiLoCo(LocalSGD):
         return sum(self.fragment_wait_s)
 
     def stats(self) -> dict:
+        # LocalSGD's totals are the fragments' sums (its own accumulators are not used here).
         self.outer_comm_s, self.outer_wait_s = sum(self.fragment_comm_s), sum(self.fragment_wait_s)
         out = super().stats()
         hidden = [max(0.0, 1.0 - w / c) if c > 0 else None for w, c in zip(self.fragment_wait_s, self.fragment_comm_s)]

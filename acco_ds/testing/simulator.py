@@ -25,6 +25,8 @@ from typing import Callable, List, Optional
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from .edit_penalty import Detector, edit_mean
+
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """DeepSpeed ZeRO's clipping rule: divide by max(1, (norm + 1e-6) / max_norm)."""
@@ -199,7 +201,7 @@ def simulate_local_sgd(mode: str,
         co2:     δ_i = s_i − θ_i;  if a mean is in flight: x = Outer(x, it);  θ_i = s_i = x − δ_i;
                  the mean of this δ is in flight until the next sync
 
-        edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``_edit_mean``)
+        edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``edit_penalty.edit_mean``)
 
     Streaming DiLoCo (``diloco`` with ``fragments`` F, ``fragment_sync_delay`` τ, ``fragment_update_alpha``
     α; docs/design.md section 10): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋;
@@ -259,14 +261,14 @@ def simulate_local_sgd(mode: str,
             vector_to_parameters(value.to(dtype).clone(), params[g])
 
     out["flags"] = []
-    detector = _Detector(R, **anomaly) if anomaly else None
+    detector = Detector(R, **anomaly) if anomaly else None
 
     def edit_sync(steps_done):
         deltas = [x - theta(g) for g in range(R)]
         norms = torch.stack([d.norm() for d in deltas])
         flags = detector.observe(norms.tolist()) if detector else [False] * R
         out["flags"].append(flags)
-        outer(_edit_mean(deltas, norms, flags, weighting, steps_done, pseudo_grad_clip))
+        outer(edit_mean(deltas, norms, flags, weighting, steps_done, pseudo_grad_clip))
         for g in range(R):
             set_replica(g, x)
 
@@ -327,45 +329,3 @@ def simulate_local_sgd(mode: str,
             out["replicas"][g].append(theta(g))
         out["anchor"].append(x.clone())
     return out
-
-
-def _edit_mean(deltas, norms, flags, weighting, steps, clip):
-    """EDiT's penalised average: kept replicas weighted by softmax(−‖δ‖) ("norm") or equally ("mean"),
-    times their inner steps (A-EDiT), normalised; then the clip of the average's norm."""
-    keep = torch.tensor([0.0 if f else 1.0 for f in flags], dtype=norms.dtype)
-    w = keep * (torch.exp(-norms) if weighting == "norm" else torch.ones_like(norms))
-    if steps is not None:
-        w = w * torch.tensor(steps, dtype=norms.dtype)
-    w = w / w.sum() if w.sum() > 0 else w
-    mean = sum(wi * d for wi, d in zip(w, deltas))
-    if clip is not None:
-        mean = mean * min(1.0, clip / (float(mean.norm()) + 1e-6))
-    return mean
-
-
-class _Detector:
-    """Per-replica z-score test: plain mean/variance over the first ``warmup_syncs`` kept norms, then
-    exponentially weighted; anomalous norms are not added (written apart from ``algorithms.penalty``)."""
-
-    def __init__(self, replicas, ewma_alpha, warmup_syncs, threshold):
-        self.alpha, self.warmup, self.threshold = ewma_alpha, max(warmup_syncs, 2), threshold
-        self.seen = [[] for _ in range(replicas)]
-        self.mean, self.var = [0.0] * replicas, [0.0] * replicas
-
-    def observe(self, norms):
-        flags = []
-        for i, n in enumerate(norms):
-            hist = self.seen[i]
-            bad = len(hist) >= self.warmup and (n - self.mean[i]) > self.threshold * self.var[i] ** 0.5
-            flags.append(bad)
-            if bad:
-                continue
-            hist.append(n)
-            if len(hist) <= self.warmup:
-                t = torch.tensor(hist, dtype=torch.float64)
-                self.mean[i], self.var[i] = float(t.mean()), float(t.var(unbiased=False))
-            else:
-                d = n - self.mean[i]
-                self.mean[i] += self.alpha * d
-                self.var[i] = (1 - self.alpha) * (self.var[i] + self.alpha * d * d)
-        return flags
