@@ -5,8 +5,8 @@ Example::
     "acco": {"enabled": true, "mode": "acco", "accumulation": "fixed"}
 
 The model follows DeepSpeed's own config models (``runtime/zero/config.py``):
-a ``DeepSpeedConfigModel`` (pydantic 2, unknown keys rejected, ``"auto"``
-treated as "use the default"), one documented field per key.
+pydantic 2 with ``DeepSpeedConfigModel``'s settings (unknown keys rejected), one
+documented field per key. It imports no DeepSpeed: the torch host reads the same block.
 """
 
 import typing
@@ -19,7 +19,6 @@ from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MOD
                            AnomalyConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig, _Documented,
                            ranks_per_node)
 from .config_local import collectives_layout  # noqa: F401 - re-exported (acco_ds.config is the config's face)
-from .deepspeed.compat import DeepSpeedConfigModel, check_instance
 
 ACCO_KEY = "acco"
 
@@ -167,7 +166,7 @@ def _unknown_keys(model, block: dict, prefix: str) -> list:
             lines.append(f'unknown key "{prefix}.{key}" (misspelled?). Known keys: {known}')
         elif isinstance(value, dict):
             nested = [t for t in (field.annotation, *typing.get_args(field.annotation))
-                      if isinstance(t, type) and issubclass(t, DeepSpeedConfigModel)]
+                      if isinstance(t, type) and issubclass(t, _Documented)]
             if nested:
                 lines += _unknown_keys(nested[0], value, f"{prefix}.{key}")
     return lines
@@ -184,9 +183,8 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
     if not isinstance(block, dict):
         raise ValueError(f'DeepSpeed config key "acco" must be an object such as '
                          f'{{"enabled": true, "mode": "acco"}}, got {type(block).__name__}: {block!r}')
-    # Unknown keys are found here, not by pydantic alone: DeepSpeedConfigModel drops every key whose
-    # value is "auto" before validation and takes a key "strict" as its own argument, so both would
-    # slip through, and a non-string key would raise TypeError.
+    # Unknown keys are found here, not by pydantic alone, so that every unknown key of every nested block
+    # is named in one error, and a non-string key does not raise TypeError.
     unknown = _unknown_keys(ACCOConfig, block, "acco")
     if unknown:
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(unknown))
@@ -211,7 +209,7 @@ def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, a
     """Reject what ACCO cannot train before ``deepspeed.initialize`` builds
     anything: engines other than ``DeepSpeedEngine`` (pipeline, hybrid),
     MoE, model parallelism."""
-    from .deepspeed.compat import PipelineModule, has_moe_layers
+    from .deepspeed.compat import PipelineModule, check_instance, has_moe_layers
     problems = []
     if ((ds_config or {}).get("hybrid_engine") or {}).get("enabled"):
         problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false} or '
@@ -242,6 +240,7 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``; called before the
     engine builds its optimizer. Every rule of that kind lives here.
     """
+    from .deepspeed.compat import check_instance
     check_instance(ds_config, "DeepSpeedConfig")
     check_instance(ds_config.zero_config, "DeepSpeedZeroConfig")
     problems = []
@@ -249,20 +248,9 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     if stage != 1:
         problems.append(f'ACCO shards optimizer states like ZeRO stage 1, but zero_optimization.stage is {stage}: '
                         f'set "zero_optimization": {{"stage": 1}}')
-    gas = ds_config.gradient_accumulation_steps
-    if acco.mode == "acco" and gas % 2 != 0:
-        problems.append(f'acco.mode="acco" splits every optimizer step into two rounds of '
-                        f'gradient_accumulation_steps/2 micro-batches, so gradient_accumulation_steps must be even '
-                        f'(got {gas}): set it to {gas + 1 if gas > 1 else 2} or use acco.mode="dpu"/"sync"')
-    if acco.accumulation == "adaptive":
-        low = acco.micro_batches_per_round(gas)
-        high = acco.max_micro_batches(gas)
-        if high < low:
-            problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
-                            f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
-    if acco.local:
-        problems += _replica_problems(acco, int(ds_config.world_size))
-    problems += _collectives_problems(acco, _global_world_size(ds_config))
+    import torch.distributed as tdist
+    world = tdist.get_world_size() if tdist.is_initialized() else int(ds_config.world_size)  # nodes count all ranks
+    problems += host_problems(acco, ds_config.gradient_accumulation_steps, int(ds_config.world_size), world)
     zc = ds_config.zero_config
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
@@ -278,9 +266,23 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     _raise(problems)
 
 
-def _global_world_size(ds_config) -> int:
-    import torch.distributed as tdist
-    return tdist.get_world_size() if tdist.is_initialized() else int(ds_config.world_size)
+def host_problems(acco: ACCOConfig, gas: int, dp_world_size: int, world_size: int) -> list:
+    """What is wrong with ``acco`` for ``gradient_accumulation_steps=gas`` on these world sizes, whatever
+    the host (DeepSpeed or the torch host): one message per problem, each naming the fix."""
+    problems = []
+    if acco.mode == "acco" and gas % 2 != 0:
+        problems.append(f'acco.mode="acco" splits every optimizer step into two rounds of '
+                        f'gradient_accumulation_steps/2 micro-batches, so gradient_accumulation_steps must be even '
+                        f'(got {gas}): set it to {gas + 1 if gas > 1 else 2} or use acco.mode="dpu"/"sync"')
+    if acco.accumulation == "adaptive":
+        low = acco.micro_batches_per_round(gas)
+        high = acco.max_micro_batches(gas)
+        if high < low:
+            problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
+                            f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
+    if acco.local:
+        problems += _replica_problems(acco, dp_world_size)
+    return problems + _collectives_problems(acco, world_size)
 
 
 def _collectives_problems(acco: ACCOConfig, world_size: int) -> list:
@@ -344,4 +346,4 @@ def checkpoint_mismatch(what: str, saved, now, replicas: bool = False) -> ValueE
 
 __all__ = ["ACCOConfig", "ACCOEmulationConfig", "LocalSGDConfig", "AnomalyConfig", "LOCAL_SGD_MODES", "ROUND_MODES",
            "OUTER_DEFAULTS", "parse_acco_config", "check_before_initialize", "check_deepspeed_config",
-           "replica_group_size", "checkpoint_mismatch"]
+           "replica_group_size", "checkpoint_mismatch", "host_problems"]

@@ -8,14 +8,16 @@ Kept apart from ``acco_ds.config`` (which re-exports every name here) so each mo
 
 from typing import List, Literal, Optional
 
-from pydantic import ConfigDict, Field, StrictBool, StrictInt
-
-from .deepspeed.compat import DeepSpeedConfigModel
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
-class _Documented(DeepSpeedConfigModel):
-    """A config model whose field docstrings become the fields' descriptions."""
-    model_config = ConfigDict(use_attribute_docstrings=True)
+class _Documented(BaseModel):
+    """A config model whose field docstrings become the fields' descriptions, with the settings of DeepSpeed's
+    ``DeepSpeedConfigModel`` (unknown keys rejected, defaults and assignments validated) on plain pydantic, so
+    the config is read without DeepSpeed (the torch host never imports it)."""
+    model_config = ConfigDict(use_attribute_docstrings=True, validate_default=True, validate_assignment=True,
+                              use_enum_values=True, populate_by_name=True, extra="forbid",
+                              arbitrary_types_allowed=True, protected_namespaces=())
 
 
 LOCAL_SGD_MODES = ("diloco", "co2", "edit")

@@ -2,7 +2,8 @@
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config configs/acco_cpu.json
 
-Read it top to bottom: data, model, training loop, summary. The only ACCO-specific
+Read it top to bottom: the training loop and the summary; the model and the data are
+``examples/gpt.py`` (shared with the PyTorch/FSDP2 example). The only ACCO-specific
 lines are ``acco_ds.initialize`` (instead of ``deepspeed.initialize``) and the
 ``"acco"`` block in the JSON config; everything else is a plain DeepSpeed
 script (forward, ``engine.backward``, ``engine.step`` every micro-batch).
@@ -17,18 +18,14 @@ on the wire, warm-up exclusion, a slowed rank, a JSON record.)
 """
 
 import argparse
-import glob
 import json
 import math
 import os
 import resource
 import sys
-import sysconfig
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
@@ -36,93 +33,7 @@ import deepspeed  # noqa: E402
 
 import acco_ds  # noqa: E402
 
-# ----------------------------------------------------------------------------- data
-
-
-def load_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
-    """The standard library's .py files, sorted by path, concatenated as bytes."""
-    root = sysconfig.get_paths()["stdlib"]
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        if "site-packages" in path:
-            continue
-        with open(path, "rb") as f:
-            data += f.read()
-        if len(data) >= max_bytes:
-            break
-    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
-
-
-class Batches:
-    """Random windows of the corpus; micro-batch ``i`` of rank ``r`` is the same on every run."""
-
-    def __init__(self, data: torch.Tensor, block_size: int, batch_size: int, seed: int):
-        self.data, self.block_size, self.batch_size, self.seed = data, block_size, batch_size, seed
-
-    def get(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        starts = torch.randint(len(self.data) - self.block_size - 1, (self.batch_size, ), generator=g)
-        x = torch.stack([self.data[s:s + self.block_size] for s in starts.tolist()])
-        y = torch.stack([self.data[s + 1:s + 1 + self.block_size] for s in starts.tolist()])
-        return x, y
-
-
-# ---------------------------------------------------------------------------- model
-
-
-class Block(nn.Module):
-
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.n_head = n_head
-        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """A byte-level GPT: token + position embeddings, n_layer blocks, tied output head."""
-
-    def __init__(self, n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256):
-        super().__init__()
-        self.block_size = block_size
-        self.tok = nn.Embedding(vocab_size, n_embd)
-        self.pos = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, idx, targets=None):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.ln_f(x) @ self.tok.weight.t()
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-
-
-def param_groups(model, weight_decay):
-    """Weight decay on matrices only, as GPT recipes do."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
+from gpt import GPT, Batches, load_corpus, param_groups  # noqa: E402,F401 - the model and data (also re-exported)
 
 # ------------------------------------------------------------------------- training
 

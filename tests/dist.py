@@ -26,10 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None):
+def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None,
+           worker: Path = WORKER):
     """Run ``workers.py`` with ``spec`` on ``world_size`` ranks; return each
     rank's saved results (or, with ``expect_failure``, each rank's
-    ``(returncode, log)``). Never waits longer than ``timeout`` seconds."""
+    ``(returncode, log)``). Never waits longer than ``timeout`` seconds. ``worker``: the script each rank
+    runs (``torch_workers.py`` for the torch host)."""
     own_dir = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="acco_test_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +44,7 @@ def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failu
     for rank in range(world_size):
         log = open(workdir / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_path), str(workdir)],
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(spec_path), str(workdir)],
                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                       stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout

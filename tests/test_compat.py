@@ -3,6 +3,8 @@
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -95,10 +97,13 @@ def test_only_compat_imports_deepspeed():
 
 
 def test_the_host_free_layers_import_no_host():
-    """runtime/, algorithms/ and testing/ are read and tested without DeepSpeed: they import neither
-    ``deepspeed`` nor ``acco_ds.deepspeed``."""
+    """runtime/, algorithms/, testing/ and the torch host are read and tested without DeepSpeed: they import
+    neither ``deepspeed`` nor ``acco_ds.deepspeed``; importing the torch host loads no DeepSpeed module."""
+    code = "import sys, acco_ds.torch; print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
     offenders = []
-    for room in ("runtime", "algorithms", "testing"):
+    for room in ("runtime", "algorithms", "testing", "torch"):
         for path in sorted((PACKAGE / room).glob("*.py")):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):

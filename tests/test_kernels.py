@@ -182,7 +182,7 @@ def test_selection(native, monkeypatch, caplog):
     assert all(torch.equal(a, b) for a, b in zip((master, grad, m, v), want))
 
     # When the op cannot be built: "auto" falls back with one warning, "native" raises.
-    def broken(device_type):
+    def broken(device_type, jit=True):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(ops, "_cache", {})

@@ -248,7 +248,7 @@ def test_any_shape_and_the_module_functions(native):
 def test_stale_module_is_reported(monkeypatch):
     """A module built from older sources (an old AOT build) is refused with the way out, not used."""
     import types
-    monkeypatch.setattr(ops, "load_native", lambda device_type: types.SimpleNamespace(adamw_update=None,
+    monkeypatch.setattr(ops, "load_native", lambda device_type, jit=True: types.SimpleNamespace(adamw_update=None,
                                                                                      __file__="/x/old.so"))
     with pytest.raises(RuntimeError, match=r"has no quantize_pack, dequantize_accumulate.*ACCO_BUILD_OPS=1"):
         ops._native_kernels("cpu")

@@ -84,7 +84,6 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "as the base class of the ACCO "
      "ZeRO-1 optimizer"),
     ("deepspeed.runtime.zero.utils", "ZeRORuntimeException", "to recognise ZeRO's own checkpoint errors"),
-    ("deepspeed.runtime.config_utils", "DeepSpeedConfigModel", "as the base of the \"acco\" config models"),
     ("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config", "to read the config from any place "
      "deepspeed.initialize accepts it"),
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
@@ -293,7 +292,6 @@ ZERO_OPTIMIZATION = _resolved[("deepspeed.runtime.engine", "ZERO_OPTIMIZATION")]
 PipelineEngine = _resolved[("deepspeed.runtime.pipe.engine", "PipelineEngine")]
 DeepSpeedZeroOptimizer = _resolved[("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")]
 ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeException")]
-DeepSpeedConfigModel = _resolved[("deepspeed.runtime.config_utils", "DeepSpeedConfigModel")]
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]
 is_model_parallel_parameter = _resolved[("deepspeed.runtime.utils", "is_model_parallel_parameter")]
 has_moe_layers = _resolved[("deepspeed.moe.utils", "has_moe_layers")]

@@ -32,10 +32,8 @@ workers contribute different counts.
 
 import contextlib
 
-import torch
 import torch.distributed as tdist
 
-from ..algorithms.rounds import COMMIT
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.job import CommResult
 from ..runtime.outer_loop import make_groups, needs_replicas
@@ -43,7 +41,8 @@ from . import checkpoint
 from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
                      logger)
 from .compat import comm as dist
-from .progress import _banner, _report_commit, _say, report_lines
+from ..runtime.stats import banner, report_lines
+from .progress import _report_commit, _say
 from .zero1 import ACCOZeroOptimizer
 
 
@@ -80,7 +79,7 @@ class ACCOEngine(DeepSpeedEngine):
         # The module's state_dict() (save_pretrained, Accelerate's get_state_dict) sees committed weights.
         self.module.register_state_dict_pre_hook(lambda *_: self._acco_show_committed())
         self.module.register_state_dict_post_hook(lambda *_: opt.view.restore(all_levels=False))
-        _say(_banner(acco, opt))
+        _say(banner(acco, opt))
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
@@ -155,20 +154,8 @@ class ACCOEngine(DeepSpeedEngine):
         self.optimizer.start_round()
 
     def _acco_align_rounds(self) -> int:
-        """Make every rank end the same round before a read (collective).
-
-        In adaptive accumulation each rank ends its rounds on its own, so at
-        the same user-level iteration a rank may already have submitted the
-        next round's job while a peer has not: waiting for that job would
-        deadlock. Ranks a round behind close their round early (the
-        micro-batch counts travel with the gradients, so the mean stays
-        exact). Returns the most micro-batches any rank holds in its round.
-        """
-        opt = self.optimizer
-        index, micro = _peers_state(opt)
-        if index > opt.schedule.index:  # at most one round behind: jobs pair ranks round by round
-            self._acco_end_round()
-        return micro
+        """Every rank ends the same round before a read (see ``RoundDriver.align_rounds``)."""
+        return self.optimizer.align_rounds(self._acco_end_round)
 
     def _acco_count_commits(self) -> None:
         """The per-committed-step bookkeeping of stock ``_take_model_step``, for each finished commit."""
@@ -279,16 +266,8 @@ class ACCOEngine(DeepSpeedEngine):
         iterations, N optimizer steps (local-SGD: the last sync). Training may go on afterwards; it restarts
         with a start-up round. Returns whether a step was committed."""
         self.__dict__["_acco_eval_view"] = False
-        opt = self.optimizer
-        opt.view.restore()
         steps = self.global_steps
-        left = self._acco_align_rounds()
-        # End rounds until every accumulated gradient is inside the in-flight commit: nothing is dropped.
-        while left or opt.schedule.current.comm not in (None, COMMIT):
-            self._acco_end_round()
-            left = 0
-        opt.outer.finalize()  # local-SGD: every replica ends on one model
-        opt.finalize()
+        self.optimizer.commit_everything(self._acco_end_round)
         self._acco_count_commits()
         return self.global_steps > steps
 
@@ -314,15 +293,6 @@ class ACCOPipelineEngine(ACCOEngine, PipelineEngine):
 def _replica_ranks(engine):
     opt = getattr(engine, "optimizer", None)
     return opt.outer.replica_ranks if isinstance(opt, ACCOZeroOptimizer) else None
-
-
-def _peers_state(opt):
-    """Collective over the data-parallel group: the highest round index of any rank, and the most
-    micro-batches held by a rank in that round (one all-reduce of index * 2^32 + micro-batches)."""
-    key = torch.tensor([(opt.schedule.index << 32) + opt.local_micro], dtype=torch.int64, device=opt.device)
-    tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=opt.dp_process_group)
-    value = int(key.item())
-    return value >> 32, value & 0xFFFFFFFF
 
 
 __all__ = ["ACCOEngine", "ACCOPipelineEngine"]

@@ -20,15 +20,17 @@ for another process's build longer than ``ACCO_JIT_WAIT_S`` seconds (default
 300): see ``builder.JitBuildLock``.
 """
 
+import importlib
 import logging
+import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import reference
 
 logger = logging.getLogger("acco_ds")
 
-_cache: Dict[Tuple[str, str], "Kernels"] = {}
+_cache: Dict[Tuple[str, str, bool], "Kernels"] = {}
 _load_errors: Dict[str, str] = {}
 
 
@@ -56,8 +58,20 @@ def _device_type(device) -> str:
     return str(device).split(":")[0]
 
 
-def load_native(device_type: str = "cpu"):
-    """Load (JIT-building if needed) the native op module for ``cpu`` or ``cuda``."""
+NATIVE_MODULES = {"cpu": "acco_ds.ops.acco_cpu_ops_op", "cuda": "acco_ds.ops.acco_cuda_ops_op"}  # AOT builds
+
+
+def load_native(device_type: str = "cpu", jit: bool = True):
+    """Load the native op module for ``cpu`` or ``cuda``: the one ``pip install`` built ahead of time, else a
+    JIT build through DeepSpeed's op builder. ``jit=False`` imports only the ahead-of-time module, never
+    DeepSpeed (the torch host), and raises without one."""
+    if not jit:
+        try:
+            return importlib.import_module(NATIVE_MODULES[device_type])
+        except (ImportError, KeyError):  # not built, or built against another torch (undefined symbols)
+            raise RuntimeError(f"no ahead-of-time {device_type} op module (build it with ACCO_BUILD_OPS=1 pip "
+                               f"install --no-build-isolation -e .); JIT builds go through DeepSpeed's op "
+                               f"builder, which this host does not import") from None
     from .builder import BUILDERS
     if device_type not in BUILDERS:
         raise RuntimeError(f"acco_ds has no native ops for device type {device_type!r}")
@@ -67,8 +81,8 @@ def load_native(device_type: str = "cpu"):
     return builder.load(verbose=False)
 
 
-def _native_kernels(device_type: str) -> Kernels:
-    module = load_native(device_type)
+def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
+    module = load_native(device_type, jit)
     missing = [name for name in ("adamw_update", "quantize_pack", "dequantize_accumulate") if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"the {device_type} op module {getattr(module, '__file__', module)} has no "
@@ -90,19 +104,22 @@ def _native_kernels(device_type: str) -> Kernels:
     return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate)
 
 
-def load_kernels(kernels: str = "auto", device="cpu") -> Kernels:
-    """The implementation for ``kernels`` in {auto, torch, native} on ``device``."""
+def load_kernels(kernels: str = "auto", device="cpu", jit: Optional[bool] = None) -> Kernels:
+    """The implementation for ``kernels`` in {auto, torch, native} on ``device``. ``jit`` (see ``load_native``;
+    None: when DeepSpeed is already imported, so the torch host never imports it)."""
+    if jit is None:
+        jit = "deepspeed" in sys.modules
     if kernels not in ("auto", "torch", "native"):
         raise ValueError(f'kernels must be "auto", "torch" or "native", got {kernels!r}')
     device_type = _device_type(device)
-    key = (kernels, device_type)
+    key = (kernels, device_type, jit)
     if key in _cache:
         return _cache[key]
     if kernels == "torch":
         result = TORCH
     else:
         try:
-            result = _native_kernels(device_type)
+            result = _native_kernels(device_type, jit)
         except Exception as err:  # noqa: BLE001 - any build/load failure
             _load_errors[device_type] = f"{type(err).__name__}: {err}"
             if kernels == "native" and getattr(err, "lock_path", None) is not None:  # builder.JitLockTimeout

@@ -236,7 +236,7 @@ def all_reduce(tensors: List[torch.Tensor], group, codec: Codec, residuals: Opti
     a reduce-scatter of the ``W`` parts, then an all-gather of each owner's result (every rank, the owner
     included, takes the dequantized bytes). ``residuals``: per tensor ``all_reduce_residual_elems``
     elements (the reduce-scatter's rows, then the all-gather's), or None."""
-    world, rank = tdist.get_world_size(group), tdist.get_rank(group)
+    world = tdist.get_world_size(group)
     for i, t in enumerate(tensors):
         n = t.numel()
         P = -(-n // world)

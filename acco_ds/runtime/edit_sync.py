@@ -160,11 +160,12 @@ class LayerwiseSync:
         x = anchor[i][lo:hi]
         outer(x, momentum[i][lo:hi], d)
         self.shards.masters[i][lo:hi].copy_(x)
-        flat, P, k = self.shards.flats[i], self.partition[i], self.groups.k
-        parts = [flat[r * P + lo:r * P + hi] for r in range(k)]
-        parts[self.groups.shard].copy_(x)
-        if k > 1:
-            tdist.all_gather(parts, parts[self.groups.shard].clone(), group=self.groups.replica_side)
+        if self.shards.flats is not None:  # (FSDP2 gathers its shards itself)
+            flat, P, k = self.shards.flats[i], self.partition[i], self.groups.k
+            parts = [flat[r * P + lo:r * P + hi] for r in range(k)]
+            parts[self.groups.shard].copy_(x)
+            if k > 1:
+                tdist.all_gather(parts, parts[self.groups.shard].clone(), group=self.groups.replica_side)
         self.gate.release(c)
 
 

@@ -28,6 +28,7 @@ from .comm import CommWorker
 from .compression import OuterCompression, load_outer_residuals
 from .edit_sync import LayerwiseSync
 from .outer import outer_step
+from . import local_sgd_words as words
 from .outer_loop import OuterLoop, ReplicaGroups, Shards
 
 
@@ -207,30 +208,28 @@ class LocalSGD(OuterLoop):
             self.outer_wait_s += time.perf_counter() - t0
 
     def _install(self, shards) -> None:
-        """Master shards ← ``shards``; the replica's bit16 weights ← their all-gather."""
-        for flat, master, shard in zip(self.shards.flats, self.shards.masters, shards):
+        """Master shards ← ``shards``; the replica's bit16 weights ← their all-gather (a host without flats,
+        FSDP2, gathers its shards itself at the next forward)."""
+        for i, (master, shard) in enumerate(zip(self.shards.masters, shards)):
             if master is not shard:
                 master.copy_(shard)
-            collectives.all_gather_part(flat, master, self.groups.shard, self.groups.replica_main)
+            if self.shards.flats is not None:
+                collectives.all_gather_part(self.shards.flats[i], master, self.groups.shard, self.groups.replica_main)
 
     # ------------------------------------------------------------ what users read
     @torch.no_grad()
     def committed_flats(self) -> Optional[List[torch.Tensor]]:
-        """The anchor (the last global model) in the model dtype, gathered into the spare buffers."""
+        """The anchor (the last global model) in the model dtype, gathered into the spare buffers (a host
+        without flats gets the anchor shards themselves)."""
+        if self.shards.flats is None:
+            return self.anchor
         spare = self.shards.spare()
         for buf, shard in zip(spare, self.anchor):
             collectives.all_gather_part(buf, shard, self.groups.shard, self.groups.replica_main)
         return spare
 
     def banner(self) -> str:
-        period = (f"sync_time_s={self.sync_time_s:g} (A-EDiT)" if self.schedule.timed else
-                  f"sync_every={self.schedule.sync_every}")
-        st = self.settings
-        outer = (f"outer=SGD lr={st['outer_lr']:g} momentum={st['outer_momentum']:g}"
-                 f"{' nesterov' if st['nesterov'] else ''}")
-        return (f"replicas={self.groups.replicas} x {self.groups.k} ranks (ZeRO-1 inside each) {period} {outer}"
-                f"{'' if self.compression is None else f' outer all-reduce {self.compression.codec}'}"
-                f"{'' if self.outer_comm is None else ' outer communication overlapped'}")
+        return words.banner(self)
 
     def stats(self) -> dict:
         """Syncs done, and for co2/edit how much of the outer communication the compute side waited for."""
@@ -247,36 +246,10 @@ class LocalSGD(OuterLoop):
                 "outer_hidden_fraction": max(0.0, 1.0 - wait / comm) if comm > 0 else None}
 
     def report(self) -> List[Tuple[str, str]]:
-        """The summary lines of this mode, from ``stats()``."""
-        s = self.stats()
-        period = (f"a sync every {s['sync_time_s']:g} s of wall time (A-EDiT)" if self.schedule.timed else
-                  f"a sync every {s['sync_every']} inner steps")
-        lines = [("replicas", f"{s['replicas']} replicas x {s['replica_group_size']} ranks (ZeRO-1 inside each), "
-                              f"{period}")]
-        syncs = s["syncs"]
-        hidden = s["outer_hidden_fraction"]
-        overlap = ("blocking: nothing hidden" if self.mode == "diloco" else
-                   "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
-        per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload" \
-                   f"{'' if self.compression is None else ', ' + str(self.compression.codec)}), " if syncs else ""
-        reads = s.get("read_syncs") or 0
-        counted = f" over the {syncs - reads} syncs training collected ({reads} collected by a read)" if reads else ""
-        lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s"
-                                     f"{counted}, {overlap} (waited {s['outer_wait_s']:.2f} s)"))
-        if self.edit is not None:
-            lines.append(("anomalies", f"{s['anomalies']} replica-periods left out of the average"))
-        if self.schedule.timed and s["sync_history"]:
-            steps = [[int(h["steps"][r]) for h in s["sync_history"]] for r in range(s["replicas"])]
-            lines.append(("inner steps", "per period, replica by replica (min/mean/max): " + ", ".join(
-                f"{min(x)}/{sum(x) / len(x):.1f}/{max(x)}" for x in steps) +
-                f"; longest wait at a sync {s['max_sync_wait_s']:.2f} s"))
-        return lines
+        return words.report(self)
 
     def progress(self) -> str:
-        s = self.stats()
-        hidden = s["outer_hidden_fraction"]
-        return (f"syncs={s['syncs']} outer_comm={s['outer_comm_s']:.2f}s waited={s['outer_wait_s']:.2f}s "
-                f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
+        return words.progress(self)
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

@@ -70,7 +70,8 @@ class Shards:
 
     ``masters[i]`` is this rank's fp32 master shard of parameter group ``i`` (the inner optimizer steps it;
     an outer step overwrites it); ``flats[i]`` the replica's flat compute parameters in the model dtype,
-    partitioned ``k`` ways like the masters; ``spare[i]`` a flat buffer of the same layout that the host
+    partitioned ``k`` ways like the masters (``flats`` None: the masters are the compute weights, as FSDP2's
+    local shards are, and ``committed_flats`` returns shards in the masters' layout); ``spare[i]`` a flat buffer of the same layout that the host
     does not use while the loop reads it (the committed view is gathered there; the DeepSpeed host, which
     keeps no communication buffer without overlap, allocates it per call, freed when dropped); ``params[i]`` the
     parameters of group ``i`` with their offsets in ``flats[i]``, in registration (forward) order.

@@ -1,13 +1,15 @@
 """Per-round statistics: what each round did and how long each side took.
 
-The engine reads them (``acco_stats()``, progress lines, monitor events);
-nothing here feeds back into training.
+The hosts read them (``acco_stats()``, progress lines, monitor events, the
+summary lines of ``report_lines``); nothing here feeds back into training.
 """
 
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from .compression import describe
+from .dtypes import dtype_name
 from .job import CommResult, Phases
 
 
@@ -57,4 +59,50 @@ class RoundLog:
         return t
 
 
-__all__ = ["RoundStats", "RoundLog"]
+def banner(acco, opt, host: str = "ACCO engine") -> str:
+    """The one start-up line rank 0 prints (``host``: who trains)."""
+    outer = opt.outer.banner()
+    if outer:  # inner steps are plain ZeRO-1 steps of gradient_accumulation_steps micro-batches
+        words = f"{outer} inner=ZeRO-1 step of {opt.schedule.min_micro} micro-batches/rank"
+    else:
+        words = (f"accumulation={acco.accumulation} micro-batches/round={opt.schedule.min_micro}"
+                 f"{'' if opt.schedule.max_micro == opt.schedule.min_micro else f'..{opt.schedule.max_micro}'} "
+                 f"world_size={opt.world_size}")
+    words += f" collectives={opt.layout or 'flat'} compression=[{_compression(acco, opt)}]"
+    return (f"{host}: mode={acco.mode} {words} model={dtype_name(opt.dtype)} "
+            f"grad_accum={dtype_name(opt.accum_dtype)} communication={dtype_name(opt.comm_dtype)} "
+            f"kernels={opt.kernels.name} update={opt.update.name} "
+            f"extra buffers={opt.buffer_bytes()['total'] / 2**20:.1f} MiB/rank")
+
+
+def _compression(acco, opt) -> str:
+    outer = opt.outer.stats().get("outer_compression") is not None
+    return describe(acco.compression, acco.local, rounds=opt.codec is not None, outer=outer)
+
+
+def round_words(s: dict) -> str:
+    hidden = s["hidden_comm_fraction"]
+    return (f"rounds={s['rounds']} micro-batches/round={s['mean_micro_per_round']:.2f} "
+            f"compute={s['compute_s']:.2f}s comm={s['comm_s']:.2f}s waited={s['wait_s']:.2f}s "
+            f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
+
+
+def report_lines(opt) -> List[Tuple[str, str]]:
+    """The mode's lines of a run summary, ``(label, text)``: an outer loop's own, or ACCO's rounds."""
+    outer = opt.outer.report()
+    s = opt.log.summary()
+    lines = [] if opt.codec is None else [
+        ("compression", f"rounds {opt.codec}: {opt.codec.sent_bytes / 2**20:.2f} MiB sent by this rank "
+                        f"(payload, scales included)")]
+    if outer:
+        inner = (f"{s['rounds']} inner steps on this rank, ZeRO-1 communication {s['comm_s']:.2f} s "
+                 f"(not overlapped); kernels={opt.kernels.name}, update={opt.update.name}")
+        return [("inner steps", inner)] + lines + outer
+    hidden = "n/a" if s["hidden_comm_fraction"] is None else f"{100 * s['hidden_comm_fraction']:.0f}%"
+    return [("ACCO rounds", f"{s['rounds']} rounds, {s['mean_micro_per_round'] or 0:.2f} micro-batches/round, "
+                            f"communication {s['comm_s']:.2f} s of which {hidden} hidden behind compute "
+                            f"(compute waited {s['wait_s']:.2f} s); kernels={opt.kernels.name}, "
+                            f"update={opt.update.name}")] + lines
+
+
+__all__ = ["RoundStats", "RoundLog", "banner", "round_words", "report_lines"]

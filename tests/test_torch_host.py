@@ -1,0 +1,183 @@
+"""acco_ds.torch, the host without DeepSpeed: every mode on plain modules and the local-SGD modes on FSDP2
+(2x2) against the float64 simulators, sync against ZeroRedundancyOptimizer + DDP, resume bit for bit,
+finalize, the committed-weight reads, and the refusals."""
+
+import pytest
+import torch
+
+import common
+from acco_ds.testing.simulator import simulate, simulate_local_sgd
+from dist import HERE, launch
+from test_engine import assert_matches
+
+slow = pytest.mark.slow
+WORKER = HERE / "torch_workers.py"
+OUTER = {"diloco": (0.7, 0.9, True), "co2": (1.0, 0.5, False), "edit": (0.7, 0.8, True)}
+
+
+def config(mode, gas=4, clip=0.0, **acco):
+    return {"gradient_accumulation_steps": gas, "gradient_clipping": clip,
+            "acco": {"enabled": True, "mode": mode, **acco}}
+
+
+def local(mode, k, H=4, **ls):
+    return config(mode, gas=2, local_sgd={"sync_every": H, "replica_group_size": k, **ls})
+
+
+def local_reference(world, k, mode, model="tiny", steps=8, H=4, **streaming):
+    lr, momentum, nesterov = OUTER[mode]
+    return simulate_local_sgd(mode, common.make_model(0, model), common.loss_fn, common.micro_batch,
+                              world_size=world, group_size=k, gradient_accumulation_steps=2, steps=steps,
+                              sync_every=H, optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=lr,
+                              outer_momentum=momentum, nesterov=nesterov, **streaming)
+
+
+def run(runs, world=2, timeout=400):
+    return launch({"runs": runs}, world_size=world, timeout=timeout, worker=WORKER)
+
+
+@slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("world", [2, 4])
+def test_round_modes_match_the_simulator_and_sync_matches_zero_redundancy_optimizer_with_ddp(world):
+    modes = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"clip": 0.05, "groups": True, "lr_schedule": True})]
+    runs = [dict(config=config(m, clip=o.get("clip", 0.0)), steps=5, finalize=True, inspect=True,
+                 groups=o.get("groups"), lr_schedule=o.get("lr_schedule")) for m, o in modes]
+    runs.append(dict(config=config("sync"), steps=5, zero_ddp=True))
+    results = run(runs, world=world)
+    for i, (mode, o) in enumerate(modes):
+        ref = simulate(mode, common.make_model(0), common.loss_fn, common.micro_batch, world_size=world,
+                       gradient_accumulation_steps=4, steps=5, clip=o.get("clip", 0.0),
+                       optimizer_fn=common.reference_optimizer("AdamW", o.get("groups")),
+                       lr_lambda=common.lr_factor if o.get("lr_schedule") else None)
+        for rank in range(world):
+            r = results[rank][i]
+            assert not r["deepspeed_imported"]
+            assert r["steps_seen"] == [1, 2, 3, 4, 5] and r["global_steps"] == 5
+            assert_matches(r["committed"], ref["params"])  # what users read after each step: θ_t
+            assert_matches([r["final_params"]], ref["params"][-1:])
+            assert torch.equal(r["eval_out"], r["committed_out"]) and torch.equal(r["state_dict"], r["committed"][-1])
+            assert r["compute_kept"]
+        assert all(torch.equal(results[0][i]["final_params"], results[r][i]["final_params"]) for r in range(world))
+        losses = results[0][i]["losses"]
+        assert sum(losses[-4:]) < sum(losses[:4]), losses  # the last step's micro-batches vs the first's
+    zero = results[0][-1]["params"]  # sync on the torch host = DDP averaging + ZeroRedundancyOptimizer
+    assert_matches([p.double() for p in results[0][2]["params"]], [z.double() for z in zero], atol=1e-6)
+    mid = results[0][0]  # acco: between steps the compute side holds the estimate, which users never see
+    assert not torch.equal(mid["params"][2], mid["committed"][2])
+    assert not torch.equal(mid["train_out"], mid["eval_out"])
+
+
+@slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, k", [(2, 1), (4, 2)])
+def test_local_sgd_modes_on_plain_modules_and_fsdp2_match_the_simulator(world, k):
+    cases = [("diloco", False, {}), ("co2", False, {}), ("edit", False, {})]
+    cases += [("diloco", True, {}), ("co2", True, {}), ("edit", True, {}),
+              ("diloco", True, {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5})]
+    runs = [dict(config=local(m, k, **s), steps=8, finalize=True, fsdp=k if fsdp else None)
+            for m, fsdp, s in cases]
+    results = run(runs, world=world, timeout=550)
+    for i, (mode, fsdp, s) in enumerate(cases):
+        ref = local_reference(world, k, mode, **s)
+        for rank in range(world):
+            r = results[rank][i]
+            assert not r["deepspeed_imported"], (mode, fsdp)
+            assert_matches(r["params"], ref["replicas"][rank // k])  # each replica's weights, step by step
+            assert_matches(r["committed"], ref["anchor"])  # what users read: the last global model
+            assert r["stats"]["syncs"] >= 2 and r["stats"]["replicas"] == world // k
+        finals = [results[rank][i]["final_params"] for rank in range(world)]
+        assert all(torch.equal(f, finals[0]) for f in finals), (mode, fsdp)  # finalize: one model
+
+
+@slow
+@pytest.mark.timeout(600)
+def test_resume_continues_bit_for_bit(tmp_path):
+    cases = [(2, config("acco"), None), (2, config("dpu", accumulation="adaptive"), None),
+             (4, local("diloco", 2, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5), 2),
+             (4, local("co2", 2), None)]
+    for world, cfg, fsdp in cases:
+        base = dict(config=cfg, steps=6, fsdp=fsdp, lr_schedule=True)
+        full = run([base], world=world)
+        run([dict(base, save_at=3, save=str(tmp_path / "ckpt"))], world=world)
+        resumed = run([dict(base, load=str(tmp_path / "ckpt"))], world=world)
+        for rank in range(world):
+            assert all(torch.equal(a, b) for a, b in zip(resumed[rank][0]["committed"], full[rank][0]["committed"][3:]))
+            assert all(torch.equal(a, b) for a, b in zip(resumed[rank][0]["params"], full[rank][0]["params"][3:]))
+            assert resumed[rank][0]["global_steps"] == full[rank][0]["global_steps"]
+
+
+@slow
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_world_size_and_weights_only_load(tmp_path):
+    run([dict(config=config("acco"), steps=2, save_at=2, save=str(tmp_path / "c"))], world=2)
+    out = launch({"runs": [dict(config=config("acco"), steps=3, load=str(tmp_path / "c"))]}, world_size=1,
+                 timeout=200, worker=WORKER, expect_failure=True)
+    assert "saved by 2 ranks but this run has 1" in out[0][1] and "load_optimizer_states=False" in out[0][1]
+    r = launch({"runs": [dict(config=config("sync"), steps=3, load=str(tmp_path / "c"),
+                               load_kwargs={"load_optimizer_states": False})]}, world_size=1, timeout=200,
+               worker=WORKER)
+    assert r[0][0]["global_steps"] == 1 and r[0][0]["losses"][-1] < r[0][0]["losses"][0]
+
+
+@slow
+@pytest.mark.timeout(300)
+def test_refusals_name_the_problem_and_the_fix():
+    bad = [  # (run, text the error must contain)
+        (dict(config=config("acco"), fsdp=2), "does not run on an FSDP2 model"),
+        (dict(config=config("sync"), fsdp=2), "sync is what FSDP2 already does"),
+        (dict(config=local("diloco", 2), fsdp=2, mesh_2d=True), "2D mesh"),
+        (dict(config=local("diloco", 1), fsdp=2), "replica_group_size=1"),
+        (dict(config=dict(config("acco"), zero_optimization={"stage": 1})), '"zero_optimization" is a DeepSpeed'),
+        (dict(config=config("acco", gas=3)), "must be even"),
+        (dict(config=config("acco"), backward_per_step=3, steps=1), "after 3 backward passes"),
+    ]
+    results = run([dict(r, steps=r.get("steps", 2), expect_error=True) for r, _ in bad], world=4)
+    for (spec, text), got in zip(bad, results[0]):
+        assert text in got.get("error", ""), (text, got)
+
+
+@slow
+@pytest.mark.timeout(300)
+def test_non_finite_gradients_skip_the_step_on_every_rank():
+    r = run([dict(config=config("sync"), steps=4, nan_at_micro=5)])
+    for rank in (0, 1):
+        assert r[rank][0]["skipped_steps"] == 1 and r[rank][0]["global_steps"] == 4
+        assert torch.isfinite(r[rank][0]["committed"][-1]).all()
+    assert torch.equal(r[0][0]["committed"][1], r[0][0]["committed"][0])  # step 2 saw the NaN: unchanged
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo process group in this process (an earlier test's, if one is up)."""
+    import torch.distributed as tdist
+    from dist import free_port
+    own = not tdist.is_initialized()
+    if own:
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert tdist.get_world_size() == 1
+    yield
+    if own:
+        tdist.destroy_process_group()
+
+
+def test_the_host_refuses_a_wrapped_model_and_an_optimizer_over_other_tensors(one_rank):
+    import acco_ds.torch
+    model = common.make_model(0)
+    with pytest.raises(ValueError, match="wrapped in DistributedDataParallel"):
+        acco_ds.torch.initialize(torch.nn.parallel.DistributedDataParallel(model),
+                                 torch.optim.AdamW(model.parameters()), config("sync"))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        acco_ds.torch.initialize(model, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]), config("sync"))
+    opt = torch.optim.AdamW(model.parameters())
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match="LR scheduler was created over this optimizer before initialize"):
+        acco_ds.torch.initialize(model, opt, config("sync"))
+    with pytest.raises(ValueError, match="model parameter fc2.weight requires grad but is in no param group"):
+        acco_ds.torch.initialize(model, torch.optim.AdamW([model.fc1.weight, model.fc1.bias]), config("sync"))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    fsdp1 = FullyShardedDataParallel(common.make_model(0), device_id=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\) is not supported"):
+        acco_ds.torch.initialize(fsdp1, torch.optim.AdamW(fsdp1.parameters()), config("sync"))
+    with pytest.raises(ValueError, match='"acco": {"enabled": true} is missing'):
+        acco_ds.torch.initialize(model, torch.optim.AdamW(model.parameters()), {"gradient_accumulation_steps": 2})
