@@ -12,9 +12,15 @@ with ``"acco": {"enabled": true}`` in the DeepSpeed config, or call
 when the config asks for it. Installing the package arms that patch at start-up
 (``acco_ds_autopatch.pth``; ``ACCO_DS_AUTOPATCH=0`` opts out).
 
+Without DeepSpeed, ``acco_ds.torch`` runs the same modes from a plain PyTorch
+loop under ``torchrun`` (and the local-SGD modes on FSDP2)::
+
+    model, optimizer = acco_ds.torch.initialize(model, optimizer, "config.json")
+
 Layout: ``algorithms`` (pure schedules), ``runtime`` (buffers, communication
-thread, collectives, updates, jobs), ``deepspeed`` (the only code that touches
-DeepSpeed internals), ``ops`` (kernels), ``testing`` (the simulator).
+thread, collectives, updates, jobs, the rounds every host drives), ``deepspeed``
+(the only code that touches DeepSpeed internals), ``torch`` (the host without
+DeepSpeed), ``ops`` (kernels), ``testing`` (the simulator).
 """
 
 __version__ = "0.2.0"
