@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 from harness import link_tx_bytes  # noqa: E402 - harness imports no DeepSpeed
 
-from gpt import GPT, Batches, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402 - examples/gpt.py
+from gpt import GPT, Batches, add_model_args, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402
 
 
 def gather(values):
@@ -99,11 +99,7 @@ def main():
                    help="race: no stop before this many tokens, and a validation when they are reached")
     p.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_head", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=128)
-    p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--corpus_bytes", type=int, default=8_000_000)
+    add_model_args(p)  # --n_layer --n_head --n_embd --block_size --corpus_bytes
     p.add_argument("--eval_interval", type=int, default=10, help="optimizer steps between validations")
     p.add_argument("--eval_batches", type=int, default=8)
     p.add_argument("--warmup_steps", type=int, default=0, help="steps excluded from the throughput figures")

@@ -45,8 +45,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from train_gpt import (GPT, Batches, evaluate, gather_counts, load_corpus, param_groups,  # noqa: E402
-                       print_summary, run_label)
+from train_gpt import (GPT, Batches, add_model_args, evaluate, gather_counts, load_corpus,  # noqa: E402
+                       param_groups, print_summary, run_label)
 
 import deepspeed  # noqa: E402
 from harness import link_tx_bytes  # noqa: E402
@@ -111,11 +111,7 @@ def main():
     parser.add_argument("--compression_block", type=int, default=None, help="acco.compression.block_size")
     parser.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     parser.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
-    parser.add_argument("--n_layer", type=int, default=4)
-    parser.add_argument("--n_head", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=128)
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
+    add_model_args(parser)  # --n_layer --n_head --n_embd --block_size --corpus_bytes
     parser.add_argument("--eval_interval", type=int, default=10, help="committed steps between validations")
     parser.add_argument("--eval_batches", type=int, default=8)
     parser.add_argument("--warmup_steps", type=int, default=0, help="steps excluded from the throughput figures")

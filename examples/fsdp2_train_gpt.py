@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 import acco_ds.torch  # noqa: E402
 
-from gpt import GPT, Batches, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402 - model and data
+from gpt import GPT, Batches, add_model_args, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402
 
 # ------------------------------------------------------------------------- training
 
@@ -50,11 +50,7 @@ def main():
     parser.add_argument("--config", required=True, help="JSON: gradient_accumulation_steps, gradient_clipping, acco")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--fsdp", action="store_true", help="shard each replica with FSDP2 (local-SGD modes)")
-    parser.add_argument("--n_layer", type=int, default=4)
-    parser.add_argument("--n_head", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=128)
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
+    add_model_args(parser)  # --n_layer --n_head --n_embd --block_size --corpus_bytes
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--eval_interval", type=int, default=10, help="steps between validations")

@@ -141,4 +141,14 @@ def evaluate(model, batches, n_batches, device="cpu"):
     return (total[0] / total[1]).item()
 
 
-__all__ = ["load_corpus", "Batches", "Block", "GPT", "param_groups", "warmup_cosine", "evaluate"]
+def add_model_args(parser) -> None:
+    """The model and corpus flags every script training this GPT takes (the quickstart's 0.84M-parameter
+    defaults); build it with ``GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)``."""
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
+
+
+__all__ = ["load_corpus", "Batches", "Block", "GPT", "param_groups", "warmup_cosine", "evaluate", "add_model_args"]

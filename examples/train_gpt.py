@@ -33,7 +33,7 @@ import deepspeed  # noqa: E402
 
 import acco_ds  # noqa: E402
 
-from gpt import GPT, Batches, load_corpus, param_groups  # noqa: E402,F401 - the model and data (also re-exported)
+from gpt import GPT, Batches, add_model_args, load_corpus, param_groups  # noqa: E402,F401 - re-exported
 
 # ------------------------------------------------------------------------- training
 
@@ -92,11 +92,7 @@ def main():
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--syncs", type=int, default=6, help="A-EDiT only: outer syncs to train for")
-    parser.add_argument("--n_layer", type=int, default=4)
-    parser.add_argument("--n_head", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=128)
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--corpus_bytes", type=int, default=8_000_000)
+    add_model_args(parser)  # --n_layer --n_head --n_embd --block_size --corpus_bytes
     parser.add_argument("--eval_interval", type=int, default=10, help="steps between validations")
     parser.add_argument("--eval_batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
