@@ -213,6 +213,43 @@ def cleanup_leftovers():
     return removed
 
 
+def lo_tx_bytes():
+    """Bytes sent so far on this namespace's loopback (traffic between ranks of one "node")."""
+    try:
+        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def counters_now():
+    """Inside a rank: the link and loopback counters, as ``{"tx": link_tx_bytes(), "lo": lo_tx_bytes()}``."""
+    return {"tx": link_tx_bytes(), "lo": lo_tx_bytes()}
+
+
+def write_counters_after_close(results, rank, run_start):
+    """Every rank, once its communication threads are closed (co2's last all-reduce may still have been on
+    the wire when the run's counters were read): the bytes sent since ``run_start``, to ``results.rank<r>``."""
+    if not results or run_start["tx"] is None:
+        return
+    now = counters_now()
+    with open(f"{results}.rank{rank}", "w") as f:
+        json.dump({"rank": rank, "tx_bytes_after_destroy": now["tx"][0] - run_start["tx"][0],
+                   "lo_tx_bytes_after_destroy": None if now["lo"] is None or run_start["lo"] is None
+                   else now["lo"] - run_start["lo"]}, f)
+
+
+def acco_totals(host):
+    """Cumulative ACCO round figures of an engine or optimizer (None for a stock one); local-SGD modes add
+    their outer figures."""
+    if not hasattr(host, "acco_stats"):
+        return None
+    s = host.acco_stats()
+    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
+                              "stats_allreduce_s", "update_s", "all_gather_s", "outer_comm_s", "outer_wait_s")
+            if isinstance(s.get(k), (int, float))}
+
+
 def link_tx_bytes():
     """Inside a rank: (bytes sent, TCP segments retransmitted) so far on the interface gloo uses
     (GLOO_SOCKET_IFNAME), from the kernel's counters of this network namespace; None when gloo is not

@@ -45,7 +45,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
-from harness import link_tx_bytes  # noqa: E402 - harness imports no DeepSpeed
+from harness import acco_totals, counters_now, link_tx_bytes, write_counters_after_close  # noqa: E402 - no DeepSpeed
 
 from gpt import GPT, Batches, add_model_args, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402
 
@@ -56,23 +56,6 @@ def gather(values):
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [t.tolist() for t in every]
-
-
-def lo_tx_bytes():
-    try:
-        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
-
-
-def acco_totals(optimizer):
-    if not hasattr(optimizer, "acco_stats"):
-        return None
-    s = optimizer.acco_stats()
-    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
-                              "stats_allreduce_s", "update_s", "all_gather_s", "outer_comm_s", "outer_wait_s")
-            if isinstance(s.get(k), (int, float))}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -186,7 +169,7 @@ def main():
     step_tx, losses, micro, step, eval_time, stop = [], [], 0, 0, 0.0, False
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "stats": None, "tx": link_tx_bytes()}
-    run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
+    run_start = {"tx": warm["tx"], "lo": counters_now()["lo"]}
     end = warm
 
     def mark():
@@ -246,7 +229,7 @@ def main():
         t0 = time.perf_counter()
         acco_ds.torch.finalize(model, optimizer)
         finalize_s = time.perf_counter() - t0
-    run_end = {"tx": link_tx_bytes(), "lo": lo_tx_bytes()}
+    run_end = counters_now()
     if finalize_s is not None:
         finalized_loss = evaluate(model, val, args.eval_batches)
     samples = end["step"] * samples_per_step
@@ -298,12 +281,7 @@ def main():
             print(f"results        : {args.results}", flush=True)
     if hasattr(optimizer, "close"):
         optimizer.close()
-    if args.results and run_start["tx"] is not None:
-        tx, lo = link_tx_bytes(), lo_tx_bytes()
-        with open(f"{args.results}.rank{rank}", "w") as f:
-            json.dump({"rank": rank, "tx_bytes_after_destroy": tx[0] - run_start["tx"][0],
-                       "lo_tx_bytes_after_destroy": None if lo is None or run_start["lo"] is None
-                       else lo - run_start["lo"]}, f)
+    write_counters_after_close(args.results, rank, run_start)
     dist.barrier()
     dist.destroy_process_group()
     assert "deepspeed" not in sys.modules, "torch_train_worker.py must run without DeepSpeed"

@@ -49,29 +49,10 @@ from train_gpt import (GPT, Batches, add_model_args, evaluate, gather_counts, lo
                        param_groups, print_summary, run_label)
 
 import deepspeed  # noqa: E402
-from harness import link_tx_bytes  # noqa: E402
+from harness import acco_totals, counters_now, link_tx_bytes, write_counters_after_close  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import acco_ds  # noqa: E402
-
-
-def acco_totals(engine):
-    """Cumulative ACCO round figures (None for a stock engine); local-SGD modes add their outer figures."""
-    if not hasattr(engine, "acco_stats"):
-        return None
-    s = engine.acco_stats()
-    return {k: s[k] for k in ("rounds", "micro_batches", "compute_s", "wait_s", "comm_s", "reduce_scatter_s",
-                              "stats_allreduce_s", "update_s", "all_gather_s", "outer_comm_s", "outer_wait_s")
-            if k in s}
-
-
-def lo_tx_bytes():
-    """Bytes sent so far on this namespace's loopback (traffic between ranks of one "node")."""
-    try:
-        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
 
 
 def main():
@@ -217,7 +198,7 @@ def main():
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
-    run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
+    run_start = {"tx": warm["tx"], "lo": counters_now()["lo"]}
     end = warm
     spiked = args.spike_steps and rank // (world // engine.optimizer.replicas) == args.spike_rank // (
         world // engine.optimizer.replicas)
@@ -293,7 +274,7 @@ def main():
         t0 = time.perf_counter()
         engine.acco_finalize()
         finalize_s = time.perf_counter() - t0
-    run_end = {"tx": link_tx_bytes(), "lo": lo_tx_bytes()}
+    run_end = counters_now()
     if finalize_s is not None:
         finalized_loss = evaluate(engine, val, args.eval_batches, device)
 
@@ -345,14 +326,7 @@ def main():
                 json.dump(summary, f, indent=1)
             print(f"results        : {args.results}")
     engine.destroy()
-    if args.results and run_start["tx"] is not None:
-        # Every rank: its counters once destroy() has closed the communication threads (co2's last
-        # all-reduce may still have been on the wire when the counters above were read).
-        tx, lo = link_tx_bytes(), lo_tx_bytes()
-        with open(f"{args.results}.rank{rank}", "w") as f:
-            json.dump({"rank": rank, "tx_bytes_after_destroy": tx[0] - run_start["tx"][0],
-                       "lo_tx_bytes_after_destroy": None if lo is None or run_start["lo"] is None
-                       else lo - run_start["lo"]}, f)
+    write_counters_after_close(args.results, rank, run_start)  # once destroy() closed the comm threads
 
 
 if __name__ == "__main__":
