@@ -93,6 +93,31 @@ def test_local_sgd_modes_on_plain_modules_and_fsdp2_match_the_simulator(world, k
 
 
 @slow
+@pytest.mark.timeout(500)
+def test_a_edit_on_plain_modules_and_fsdp2_syncs_on_time_and_matches_the_simulator():
+    """A-EDiT (edit + sync_time_s), 4 ranks as 2 replicas of 2; rank 3 takes twice as long per micro-batch
+    on an injected clock. The loop ends on ``optimizer.acco_syncs``; the slow replica runs fewer inner steps
+    per period; both replicas and the anchor equal the simulator fed the observed step counts."""
+    costs = [1.0, 1.0, 1.0, 2.0]
+    cfg = config("edit", gas=2, local_sgd={"sync_time_s": 9.0, "replica_group_size": 2})
+    runs = [dict(config=cfg, steps=0, until_syncs=3, fake_clock=costs, finalize=True, fsdp=fsdp)
+            for fsdp in (None, 2)]
+    results = run(runs, world=4)
+    for i, fsdp in enumerate((None, 2)):
+        history = results[0][i]["sync_history"]
+        period_steps = [[int(n) for n in h["steps"]] for h in history]
+        assert len(period_steps) == 3 and all(fast > slow for fast, slow in period_steps), (fsdp, period_steps)
+        ref = local_reference(4, 2, "edit", period_steps=period_steps)
+        for rank in range(4):
+            r = results[rank][i]
+            assert r["syncs"] == 3 and r["sync_history"] == history and not r["deepspeed_imported"]
+            assert r["global_steps"] == sum(p[rank // 2] for p in period_steps)
+            assert_matches(r["params"], ref["replicas"][rank // 2])
+            assert_matches([r["committed"][-1]], ref["anchor"][-1:])
+            assert torch.equal(r["final_params"], results[0][i]["final_params"])  # one model after finalize
+
+
+@slow
 @pytest.mark.timeout(600)
 def test_resume_continues_bit_for_bit(tmp_path):
     cases = [(2, config("acco"), None), (2, config("dpu", accumulation="adaptive"), None),

@@ -73,7 +73,12 @@ def run(spec, rank, world):
         micro, start = client["micro"], client["step"]
         if scheduler is not None:
             scheduler.load_state_dict(client["scheduler"])
-    for step in range(start, spec["steps"]):
+    clock = {"t": 0.0} if spec.get("fake_clock") else None
+    if clock is not None:  # A-EDiT's period timer: this rank's micro-batch costs fake_clock[rank] seconds
+        optimizer.outer.set_clock(lambda: clock["t"])
+    until_syncs, step = spec.get("until_syncs"), start
+    # A-EDiT: replicas run different step counts, so the loop ends on the syncs, which every rank agrees on
+    while optimizer.acco_syncs < until_syncs if until_syncs else step < spec["steps"]:
         for _ in range(spec.get("backward_per_step", gas)):
             loss = common.loss_fn(model, common.micro_batch(rank, micro))
             if spec.get("nan_at_micro") == micro and rank == 0:
@@ -81,6 +86,8 @@ def run(spec, rank, world):
             micro += 1
             (loss / gas).backward()
             out["losses"].append(float(loss.detach()))
+            if clock is not None:
+                clock["t"] += spec["fake_clock"][rank]
         try:
             optimizer.step()
         except ValueError as err:
@@ -95,9 +102,10 @@ def run(spec, rank, world):
         with optimizer.committed_weights():
             out["committed"].append(flat(model))
         out["steps_seen"] = out.get("steps_seen", []) + [optimizer.global_steps]
-        if spec.get("save_at") == step + 1:
+        step += 1
+        if spec.get("save_at") == step:
             acco_ds.torch.save(spec["save"], model, optimizer, client_state={
-                "micro": micro, "step": step + 1, "scheduler": scheduler.state_dict() if scheduler else None})
+                "micro": micro, "step": step, "scheduler": scheduler.state_dict() if scheduler else None})
     if spec.get("inspect"):  # eval() forward passes run on the committed weights, training ones do not
         x = common.micro_batch(0, 0)[0]
         compute = flat(model)
@@ -115,7 +123,9 @@ def run(spec, rank, world):
         out["finalized"] = acco_ds.torch.finalize(model, optimizer)
         out["final_params"] = flat(model)
     out["global_steps"], out["skipped_steps"] = optimizer.global_steps, optimizer.skipped_steps
-    out["stats"] = {k: v for k, v in optimizer.acco_stats().items() if k not in ("last_rounds", "sync_history")}
+    stats = optimizer.acco_stats()
+    out["stats"] = {k: v for k, v in stats.items() if k not in ("last_rounds", "sync_history")}
+    out["sync_history"], out["syncs"] = stats.get("sync_history"), optimizer.acco_syncs
     out["report"] = optimizer.acco_report()
     out["deepspeed_imported"] = any(m == "deepspeed" or m.startswith("deepspeed.") for m in sys.modules)
     optimizer.close()

@@ -201,6 +201,11 @@ class FSDPLocalSGD(torch.optim.Optimizer):
         return dict(self.outer.stats(), mode=self.acco.mode, global_steps=self.global_steps,
                     skipped_steps=self.skipped_steps)
 
+    @property
+    def acco_syncs(self) -> int:
+        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
+        return self.outer.syncs
+
     def acco_report(self) -> list:
         return [("inner steps", f"{self.global_steps} FSDP2 steps on this rank's replica of {self.groups.k} "
                                 f"ranks")] + self.outer.report()

@@ -243,6 +243,11 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
     def acco_stats(self) -> dict:
         return dict(self.round_stats(), global_steps=self.global_steps, skipped_steps=self.skipped_steps)
 
+    @property
+    def acco_syncs(self) -> int:
+        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
+        return self.outer.syncs
+
     def acco_report(self) -> list:
         """The mode's lines of a run summary, ``(label, text)`` pairs."""
         return report_lines(self)
