@@ -211,7 +211,8 @@ def cmd_race(h):
     runs, targets, caps, failed = {}, {}, {}, {}
     for bw in a.bandwidths:
         stock = runs[(bw, STOCK)] = h.run(bw, STOCK, base, tag="race")
-        targets[bw] = a.target or stock["final_val_loss"] * a.race_ratio
+        # Rounded as the workers get it (--target_loss): the table then judges with the number they stopped on.
+        targets[bw] = round(a.target or stock["final_val_loss"] * a.race_ratio, 4)
         caps[bw] = a.race_cap * stock["train_time_s"]
         for mode in [m for m in a.modes if m != STOCK]:
             stop = ["--target_loss", f"{targets[bw]:.4f}", "--time_cap_s", f"{caps[bw]:.1f}"]

@@ -2,7 +2,8 @@
 
     python benchmarks/torch_host.py hosts     # 2 ranks on loopback: acco and diloco, DeepSpeed host vs torch host
     python benchmarks/torch_host.py hsdp      # 4 ranks as 2 nodes of 2 over a 50 Mbit link: stock FSDP2 HSDP vs
-                                              # FSDP2 + diloco (replica_mesh(2), H=8), time to 1.01 x stock's loss
+                                              # FSDP2 + diloco (replica_mesh(2), H=8), fp32 and int8 outer
+                                              # all-reduce, time to 1.01 x stock's loss
     python benchmarks/torch_host.py --cleanup # remove namespaces left by a killed run
 
 Same GPT and data as benchmarks/cluster.py (the quickstart GPT of examples/train_gpt.py, 0.84M
@@ -33,7 +34,8 @@ micro-batch, all-reduce across nodes on the last one only). Stock trains ``--tok
 validation loss x ``--race_ratio`` is the target. FSDP2 + diloco (``fully_shard`` on
 ``acco_ds.torch.replica_mesh(2)``, ``"local_sgd": {"replica_group_size": 2, "sync_every": 8}``) trains
 at least the same tokens (its validation there is the equal-token column), then on until its committed
-model reaches the target or ``--race_cap`` x stock's training time. Validation every
+model reaches the target or ``--race_cap`` x stock's training time; then the same with
+``"compression": {"dtype": "int8"}`` (the outer all-reduce crosses the nodes, so it is quantized). Validation every
 ``--eval_interval`` inner steps; times exclude start-up and evaluations. Bytes: each node's veth tx
 counter, read inside the ranks from the first step to the end of finalize, per inner step, the larger
 node (TCP/IP headers included).
@@ -57,6 +59,7 @@ from pathlib import Path
 
 import harness
 from cluster import machine_line
+from cluster_runs import first_reach
 from harness import rate_bits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +75,8 @@ HSDP_CONFIG = "configs/diloco_cpu.json"  # optimizer, schedule, clipping; its ac
 HSDP_H = 8
 TWONODE_MICRO_BS, TWONODE_GAS, BLOCK = 4, 2, 128  # cluster.py twonode's step: 4 x 128 tokens, 2 per rank
 STOCK_HSDP, DILOCO = "stock FSDP2 HSDP", f"FSDP2 + diloco H={HSDP_H}"
+DILOCO_INT8 = DILOCO + " + int8"  # acco.compression int8: the outer all-reduce across the nodes, quantized
+INT8_BYTES = 1 + 4 / 256  # per value: one byte, plus an fp32 scale per block of 256 (the default block)
 RESULT = "{RESULT}"  # in a worker's argv: its record, in the run's own folder (Runner.run)
 
 
@@ -90,14 +95,6 @@ def param_count():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from torch_train_worker import GPT  # no DeepSpeed import (train_gpt.py has one)
     return sum(p.numel() for p in GPT().parameters())
-
-
-def first_reach(history, target):
-    """(training time, tokens) of the first validation at or below ``target``, or None."""
-    for p in history:
-        if p["val_loss"] <= target:
-            return p["time"], p["tokens"]
-    return None
 
 
 def loss_at_tokens(history, tokens):
@@ -330,18 +327,20 @@ def cmd_hsdp(h):
         print(f"  {STOCK_HSDP} FAILED:\n{failed[STOCK_HSDP]}", flush=True)
     stock = runs.get(STOCK_HSDP)
     target = a.target or (stock["final_val_loss"] * a.race_ratio if stock else None)
+    target = None if target is None else round(target, 4)  # as the workers get it (--target_loss): one number
     cap = a.race_cap * stock["train_time_s"] if stock else a.run_timeout / 2
     flags = ["--fsdp", "--mode", "diloco", "--sync_every", str(HSDP_H), "--tokens", str(50 * budget),
              "--min_tokens", str(budget), "--time_cap_s", f"{cap:.1f}"]
     if target is not None:
         flags += ["--target_loss", f"{target:.4f}"]
-    try:
-        runs[DILOCO] = h.run(f"{DILOCO} at {a.bandwidth}", hsdp_ranks(h, flags), {"mode": DILOCO})
-    except (RuntimeError, harness.DeadlineExceeded) as err:
-        failed[DILOCO] = str(err)[-4000:]
-        print(f"  {DILOCO} FAILED:\n{failed[DILOCO]}", flush=True)
+    for mode, extra in ((DILOCO, []), (DILOCO_INT8, ["--compression", "int8"])):
+        try:
+            runs[mode] = h.run(f"{mode} at {a.bandwidth}", hsdp_ranks(h, flags + extra), {"mode": mode})
+        except (RuntimeError, harness.DeadlineExceeded) as err:
+            failed[mode] = str(err)[-4000:]
+            print(f"  {mode} FAILED:\n{failed[mode]}", flush=True)
 
-    ideal = {STOCK_HSDP: 4 * n, DILOCO: 4 * n / HSDP_H}
+    ideal = {STOCK_HSDP: 4 * n, DILOCO: 4 * n / HSDP_H, DILOCO_INT8: INT8_BYTES * n / HSDP_H}
     stock_reach = first_reach(stock["history"], target) if stock and target else None
     lines = [f"Workload: GPT {n / 1e6:.2f}M parameters (fp32), 4 ranks as 2 nodes of 2 (one core per node, shared "
              f"by its 2 ranks), {a.bandwidth} between the nodes" +
@@ -355,12 +354,14 @@ def cmd_hsdp(h):
              f"steps, evaluations excluded. Inter-node bytes: the larger node's veth tx counter from the first step "
              f"to the end of finalize, per inner step; ideal (fp32, 2 nodes): stock HSDP all-reduces every "
              f"gradient shard across the nodes once per step, 4N = {4 * n / 1e6:.2f} MB per node; diloco all-reduces "
-             f"the model shards once per sync, 4N/H = {4 * n / HSDP_H / 1e6:.3f} MB per node per inner step.", "",
+             f"the model shards once per sync, 4N/H = {4 * n / HSDP_H / 1e6:.3f} MB per node per inner step; with "
+             f"int8 (`acco.compression` {{\"dtype\": \"int8\"}}, block 256: {INT8_BYTES:.4f} bytes per value) "
+             f"{INT8_BYTES:.4f}N/H = {ideal[DILOCO_INT8] / 1e6:.3f} MB.", "",
              "| mode | inner steps | inter-node MB/step (measured) | ideal | samples/s | val loss at equal tokens "
              f"({budget:,}) | final val loss (tokens) | time to target (s) | vs stock | tokens to target | "
              "stopped by | peak RSS MiB |", "|---" * 12 + "|"]
     table = []
-    for mode in (STOCK_HSDP, DILOCO):
+    for mode in (STOCK_HSDP, DILOCO, DILOCO_INT8):
         r = runs.get(mode)
         if r is None:
             lines.append(f"| {mode} | failed (below) |" + " |" * 10)
@@ -396,7 +397,7 @@ def cmd_hsdp(h):
     text = "\n".join(lines)
     print("\n" + text)
     h.tables["hsdp"] = table
-    return f"### Two nodes at {a.bandwidth}: stock FSDP2 HSDP vs FSDP2 + diloco\n\n" + text
+    return f"### Two nodes at {a.bandwidth}: stock FSDP2 HSDP vs FSDP2 + diloco (fp32 and int8)\n\n" + text
 
 
 def stats3(values):
@@ -419,7 +420,8 @@ def estimate_s(args):
     steps = math.ceil(args.tokens / (TWONODE_MICRO_BS * TWONODE_GAS * 4 * BLOCK))
     stock = steps * (0.3 + 4.2 * n / rate)
     evals = (steps / args.eval_interval + 1) * 0.4
-    return 10 + 2 * (8 + evals) + stock + min(args.race_cap * stock, 2 * steps * (0.3 + 4.2 * n / rate / HSDP_H))
+    diloco = min(args.race_cap * stock, 2 * steps * (0.3 + 4.2 * n / rate / HSDP_H))
+    return 10 + 3 * (8 + evals) + stock + 2 * diloco
 
 
 def main():

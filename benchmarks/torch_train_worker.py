@@ -80,6 +80,8 @@ def main():
     p.add_argument("--time_cap_s", type=float, default=None, help="race: or after this much training time")
     p.add_argument("--min_tokens", type=int, default=0,
                    help="race: no stop before this many tokens, and a validation when they are reached")
+    p.add_argument("--compression", choices=["int8", "fp8"], default=None,
+                   help="acco.compression.dtype (its default apply_to: what crosses nodes)")
     p.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     add_model_args(p)  # --n_layer --n_head --n_embd --block_size --corpus_bytes
@@ -106,6 +108,8 @@ def main():
         acco["mode"] = args.mode
     if args.accumulation:
         acco["accumulation"] = args.accumulation
+    if args.compression:
+        acco["compression"] = {"dtype": args.compression}
     local = acco.get("mode") in ("diloco", "co2", "edit")
     if local:  # as train_worker.py: ACCO-only keys dropped, H and k from the flags
         for key in ("accumulation", "max_micro_batches_per_round"):

@@ -119,6 +119,46 @@ def test_a_edit_on_plain_modules_and_fsdp2_syncs_on_time_and_matches_the_simulat
 
 @slow
 @pytest.mark.timeout(600)
+def test_compression_on_plain_modules_and_fsdp2_matches_the_compressed_simulator():
+    """``acco.compression`` (int8, blocks of 16) through the torch host: ACCO's rounds and DiLoCo's outer
+    all-reduce on plain modules (ZeRO-1's partitions), and DiLoCo's outer all-reduce on FSDP2 2x2, whose
+    local shards are each parameter's dim-0 chunks (``layout="fsdp2"`` in the simulator)."""
+    from acco_ds.testing.compressed import simulate_compressed_diloco
+    from test_compression import FLIP_TOL, INT8, assert_matches as assert_close, reference as compressed
+    from test_engine import deviation
+
+    def diloco(k, apply_to):
+        cfg = local("diloco", k, H=2)
+        cfg["acco"]["compression"] = {**INT8, "apply_to": apply_to}
+        return cfg
+
+    def diloco_ref(world, k, apply_to, layout="zero"):
+        return simulate_compressed_diloco(common.make_model(0), common.loss_fn, common.micro_batch, world_size=world,
+                                          group_size=k, gradient_accumulation_steps=2, steps=6, sync_every=2,
+                                          optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=0.7,
+                                          outer_momentum=0.9, nesterov=True, block_size=16, apply_to=apply_to,
+                                          layout=layout)
+
+    two = run([dict(config=config("acco", compression=INT8), steps=4), dict(config=diloco(1, ["outer"]), steps=6)])
+    four = run([dict(config=diloco(2, ["rounds", "outer"]), steps=6), dict(config=diloco(2, ["outer"]), steps=6, fsdp=2)],
+               world=4)
+    assert_close(two[0][0]["committed"], compressed("acco", 2)["params"])
+    assert two[0][0]["stats"]["compression"] == "int8 blocks of 16" and two[0][0]["stats"]["compressed_bytes"] > 0
+    cases = [(two, 1, 2, 1, ["outer"], "zero"), (four, 0, 4, 2, ["rounds", "outer"], "zero"),
+             (four, 1, 4, 2, ["outer"], "fsdp2")]
+    for results, i, world, k, apply_to, layout in cases:
+        ref = diloco_ref(world, k, apply_to, layout)
+        for rank in range(world):
+            r = results[rank][i]
+            assert_close(r["params"], ref["replicas"][rank // k])
+            assert_close(r["committed"], ref["anchor"])
+            assert r["stats"]["outer_compression"] == "int8 blocks of 16" and r["stats"]["outer_residual_bytes"] > 0
+        assert deviation(results[0][i]["committed"], local_reference(world, k, "diloco", steps=6, H=2)["anchor"]) \
+            > 4 * FLIP_TOL, "compression changed nothing"
+
+
+@slow
+@pytest.mark.timeout(600)
 def test_resume_continues_bit_for_bit(tmp_path):
     cases = [(2, config("acco"), None), (2, config("dpu", accumulation="adaptive"), None),
              (4, local("diloco", 2, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5), 2),
@@ -155,6 +195,10 @@ def test_refusals_name_the_problem_and_the_fix():
         (dict(config=config("sync"), fsdp=2), "sync is what FSDP2 already does"),
         (dict(config=local("diloco", 2), fsdp=2, mesh_2d=True), "2D mesh"),
         (dict(config=local("diloco", 1), fsdp=2), "replica_group_size=1"),
+        (dict(config=dict(local("diloco", 2), communication_data_type="bf16"), fsdp=2), "MixedPrecisionPolicy"),
+        (dict(config=config("diloco", gas=2, local_sgd={"sync_every": 4, "replica_group_size": 2},
+                            compression={"dtype": "int8", "apply_to": ["rounds", "outer"]}), fsdp=2),
+         'FSDP2 does not compress its reduce-scatter; use "apply_to": ["outer"]'),
         (dict(config=dict(config("acco"), zero_optimization={"stage": 1})), '"zero_optimization" is a DeepSpeed'),
         (dict(config=config("acco", gas=3)), "must be even"),
         (dict(config=config("acco"), backward_per_step=3, steps=1), "after 3 backward passes"),

@@ -6,7 +6,9 @@ algorithm. The quantizer is the wire format itself (fp32 block scales, int8/fp8 
 ``ops.reference.quantize_pack``); everything else is float64.
 
 Layout (as ZeRO-1's): the flat parameter vector is padded to ``padded_numel(N, W)`` and split into W
-partitions; rank c owns partition c. Quantization blocks start at each partition's start.
+partitions; rank c owns partition c. Quantization blocks start at each partition's start. (The FSDP2
+host's outer all-reduce instead quantizes each parameter's dim-0 chunk on its own:
+``simulate_compressed_diloco(..., layout="fsdp2")``.)
 
 * reduce-scatter: partition c of the sum is, in rank order, rank c's own gradient sum plus every other
   rank w's *delivered* send ``deq(Q(g_w[c] + e_wc))``, with ``e_wc ← (g_w[c] + e_wc) − deq(...)`` (error
@@ -213,15 +215,20 @@ def simulate_compressed_diloco(model: torch.nn.Module, loss_fn: Callable, micro_
                                group_size: int, gradient_accumulation_steps: int, steps: int, sync_every: int,
                                optimizer_fn: Callable, outer_lr: float, outer_momentum: float, nesterov: bool,
                                dtype: str = "int8", block_size: int = 256, error_feedback: bool = True,
-                               apply_to=("rounds", "outer"), clip: float = 0.0) -> dict:
+                               apply_to=("rounds", "outer"), clip: float = 0.0, layout: str = "zero") -> dict:
     """``diloco`` with R = world_size / group_size replicas of k ranks, compressed inner rounds (k > 1,
-    ``"rounds"`` in ``apply_to``) and a compressed outer all-reduce (``"outer"``). Returns
+    ``"rounds"`` in ``apply_to``) and a compressed outer all-reduce (``"outer"``). ``layout``: how a
+    replica's k ranks hold the model, so which pieces the outer all-reduce quantizes: ``"zero"`` (ZeRO-1's
+    k flat partitions) or ``"fsdp2"`` (each parameter's k dim-0 chunks, one all-reduce per parameter and
+    chunk: the FSDP2 host's local shards; its inner rounds are FSDP2's own, never compressed). Returns
     ``{"replicas": [[held of replica g after inner step t]], "anchor": [x after step t]}``."""
     k, R = group_size, world_size // group_size
     quant = Quantizer(dtype, block_size, error_feedback)
-    inner = quant if "rounds" in apply_to and k > 1 else None
+    inner = quant if "rounds" in apply_to and k > 1 and layout == "zero" else None
     reps = [_Replica(model, optimizer_fn, None, range(g * k, (g + 1) * k), inner) for g in range(R)]
     P = reps[0].P
+    pieces = ([(("outer", s), torch.arange(s * P, (s + 1) * P)) for s in range(k)] if layout == "zero" else
+              fsdp2_pieces(reps[0].params, k))
     x = reps[0].held.clone()
     m = torch.zeros_like(x)
     nxt = [0] * world_size
@@ -231,13 +238,13 @@ def simulate_compressed_diloco(model: torch.nn.Module, loss_fn: Callable, micro_
         if "outer" not in apply_to:
             return torch.stack(deltas).mean(0)
         mean = torch.zeros_like(x)
-        P2 = -(-P // R)
-        for s in range(k):  # shard s: the outer group of the ranks holding it, one per replica
-            shard = [torch.cat([d[s * P:(s + 1) * P], d.new_zeros(R * P2 - P)]) for d in deltas]
-            summed = _reduce(shard, P2, quant, tag=("outer", s)) / R
+        for tag, idx in pieces:  # a piece: the outer group of the ranks holding it, one per replica
+            n = idx.numel()
+            P2 = -(-n // R)
+            summed = _reduce([torch.cat([d[idx], d.new_zeros(R * P2 - n)]) for d in deltas], P2, quant, tag=tag) / R
             for p in range(R):
-                summed[p * P2:(p + 1) * P2] = quant.send(summed[p * P2:(p + 1) * P2], ("outer-mean", s, p))
-            mean[s * P:(s + 1) * P] = summed[:P]
+                summed[p * P2:(p + 1) * P2] = quant.send(summed[p * P2:(p + 1) * P2], ("outer-mean", tag, p))
+            mean[idx] = summed[:n]
         return mean
 
     for step in range(1, steps + 1):
@@ -257,4 +264,19 @@ def simulate_compressed_diloco(model: torch.nn.Module, loss_fn: Callable, micro_
     return out
 
 
-__all__ = ["simulate_compressed", "simulate_compressed_diloco", "Quantizer"]
+def fsdp2_pieces(params, k: int):
+    """``(tag, flat indices)`` of each parameter's k dim-0 chunks, as FSDP2's ``Shard(0)`` places them on a
+    replica's k ranks (ceil(rows / k) rows each, the last ones shorter or empty; empty ones left out)."""
+    pieces, offset = [], 0
+    for j, p in enumerate(params):
+        rows = p.shape[0] if p.dim() else 1
+        width, per = p.numel() // rows, -(-rows // k)
+        for s in range(k):
+            lo, hi = min(s * per, rows) * width, min((s + 1) * per, rows) * width
+            if hi > lo:
+                pieces.append((("outer", j, s), torch.arange(offset + lo, offset + hi)))
+        offset += p.numel()
+    return pieces
+
+
+__all__ = ["simulate_compressed", "simulate_compressed_diloco", "fsdp2_pieces", "Quantizer"]

@@ -89,10 +89,30 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise ValueError(f'acco_ds.torch: mode "{acco.mode}" does not run on an FSDP2 model. '
                              + (ROUND_MODES_ON_FSDP2 if acco.mode != "sync" else
                                 "sync is what FSDP2 already does: train without ACCO, or pass the plain module"))
+        inner = _fsdp2_inner_settings(settings)
+        if inner:
+            raise ValueError("acco_ds.torch: on an FSDP2 model FSDP2 runs each replica's gradient reduction itself, so "
+                             "these settings would change nothing:\n  - " + "\n  - ".join(inner))
         flat = [p for group in params for p in group]
         _check_mesh(flat, groups)
         return model, FSDPLocalSGD(model, optimizer, flat, settings, groups)
     return model, ACCOOptimizer(model, optimizer, params, settings, groups)
+
+
+def _fsdp2_inner_settings(settings: HostSettings) -> list:
+    """The settings of the replica's own gradient reduction (ACCO's rounds), which FSDP2 replaces: each one
+    set, named with what to do instead (nothing set is ignored)."""
+    acco, out = settings.acco, []
+    if settings.comm_dtype is not None or settings.accum_dtype is not None:
+        out.append("communication_data_type / data_types.grad_accum_dtype: remove them and set FSDP2's own, "
+                   "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=...))")
+    if acco.compression.apply_to is not None and "rounds" in acco.compression.apply_to:
+        out.append('acco.compression.apply_to "rounds": FSDP2 does not compress its reduce-scatter; use '
+                   '"apply_to": ["outer"] (the outer all-reduce across replicas is compressed)')
+    if acco.collectives.layout == "hierarchical":
+        out.append('acco.collectives.layout "hierarchical" shapes the rounds\' collectives: remove it (a replica '
+                   'is best kept inside one node)')
+    return out
 
 
 def finalize(model: torch.nn.Module, optimizer) -> bool:

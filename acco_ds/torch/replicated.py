@@ -30,6 +30,7 @@ from typing import List
 import torch
 import torch.distributed as tdist
 
+from ..memory import padded_numel
 from ..runtime.driver import RoundDriver
 from ..runtime.groups import crosses_nodes, node_layout, side_group
 from ..runtime.job import CommResult
@@ -41,12 +42,13 @@ FORMAT = "acco_ds.torch/replicated/1"
 
 
 def flatten(groups: List[List[torch.nn.Parameter]], ways: int):
-    """One flat buffer per group, padded to a multiple of ``ways``; the parameters become views into it,
-    with rank 0's values everywhere (every rank starts from the same weights, as under DDP)."""
+    """One flat buffer per group, padded as the DeepSpeed host pads (``memory.padded_numel``: equal
+    partitions, so the same blocks are quantized on both hosts); the parameters become views into it, with
+    rank 0's values everywhere (every rank starts from the same weights, as under DDP)."""
     flats, params = [], []
     for group in groups:
         numel = sum(p.numel() for p in group)
-        flat = torch.zeros(-(-numel // ways) * ways, dtype=group[0].dtype, device=group[0].device)
+        flat = torch.zeros(padded_numel(numel, ways), dtype=group[0].dtype, device=group[0].device)
         entries, offset = [], 0
         for p in group:
             part = flat.narrow(0, offset, p.numel())
