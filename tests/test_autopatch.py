@@ -40,7 +40,12 @@ def launch(make_cmd, timeout, env=None, cwd=None):
     """Run a multi-process launch ``make_cmd(port)``; once more on a fresh port if the first one was
     taken meanwhile (other test runs share this machine)."""
     proc = run(make_cmd(free_port()), timeout, env=env, cwd=cwd, check=False)
-    if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
+    out = (proc.stdout + proc.stderr).lower()
+    # Once more, too, if a rank aborted in interpreter teardown ("terminate called without an active
+    # exception": gloo's threads destroyed out of order when a script never destroys its process group).
+    # Seen once in a full suite on the stock DeepSpeed run of these scripts (ACCO_DS_AUTOPATCH=0), never
+    # in 27 runs alone; a second abort in a row fails the test.
+    if proc.returncode != 0 and ("address already in use" in out or "terminate called without an active" in out):
         proc = run(make_cmd(free_port()), timeout, env=env, cwd=cwd, check=False)
     assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
