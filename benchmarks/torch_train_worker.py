@@ -45,7 +45,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
-from harness import acco_totals, counters_now, link_tx_bytes, write_counters_after_close  # noqa: E402 - no DeepSpeed
+# harness imports no DeepSpeed
+from harness import acco_totals, counters_now, link_tx_bytes, lo_tx_bytes, write_counters_after_close  # noqa: E402
 
 from gpt import GPT, Batches, add_model_args, evaluate, load_corpus, param_groups, warmup_cosine  # noqa: E402
 
@@ -173,7 +174,7 @@ def main():
     step_tx, losses, micro, step, eval_time, stop = [], [], 0, 0, 0.0, False
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "stats": None, "tx": link_tx_bytes()}
-    run_start = {"tx": warm["tx"], "lo": counters_now()["lo"]}
+    run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
     end = warm
 
     def mark():

@@ -49,7 +49,7 @@ from train_gpt import (GPT, Batches, add_model_args, evaluate, gather_counts, lo
                        param_groups, print_summary, run_label)
 
 import deepspeed  # noqa: E402
-from harness import acco_totals, counters_now, link_tx_bytes, write_counters_after_close  # noqa: E402
+from harness import acco_totals, counters_now, link_tx_bytes, lo_tx_bytes, write_counters_after_close  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import acco_ds  # noqa: E402
@@ -198,7 +198,7 @@ def main():
     micro, losses, eval_time = 0, [], 0.0
     start = time.perf_counter()
     warm = {"time": start, "step": 0, "samples": 0, "stats": None, "tx": link_tx_bytes()}
-    run_start = {"tx": warm["tx"], "lo": counters_now()["lo"]}
+    run_start = {"tx": warm["tx"], "lo": lo_tx_bytes()}
     end = warm
     spiked = args.spike_steps and rank // (world // engine.optimizer.replicas) == args.spike_rank // (
         world // engine.optimizer.replicas)

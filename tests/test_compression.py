@@ -105,11 +105,12 @@ def test_acco_matches_the_compressed_simulator_on_4_ranks_flat_and_node_aware():
     assert results[0][1]["buffer_bytes"]["residuals"] == results[0][1]["group_numels"][0] // 4 * 4
 
 
-def diloco_reference(world, k, apply_to=("rounds", "outer")):
+def diloco_reference(world, k, apply_to=("rounds", "outer"), layout="zero"):
     return simulate_compressed_diloco(common.make_model(0), common.loss_fn, common.micro_batch, world_size=world,
                                       group_size=k, gradient_accumulation_steps=GAS, steps=LOCAL_STEPS, sync_every=H,
                                       optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=0.7,
-                                      outer_momentum=0.9, nesterov=True, block_size=16, apply_to=apply_to)
+                                      outer_momentum=0.9, nesterov=True, block_size=16, apply_to=apply_to,
+                                      layout=layout)
 
 
 @pytest.mark.timeout(500)

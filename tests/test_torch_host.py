@@ -123,37 +123,32 @@ def test_compression_on_plain_modules_and_fsdp2_matches_the_compressed_simulator
     """``acco.compression`` (int8, blocks of 16) through the torch host: ACCO's rounds and DiLoCo's outer
     all-reduce on plain modules (ZeRO-1's partitions), and DiLoCo's outer all-reduce on FSDP2 2x2, whose
     local shards are each parameter's dim-0 chunks (``layout="fsdp2"`` in the simulator)."""
-    from acco_ds.testing.compressed import simulate_compressed_diloco
-    from test_compression import FLIP_TOL, INT8, assert_matches as assert_close, reference as compressed
+    from test_compression import FLIP_TOL, INT8, diloco_reference
+    from test_compression import assert_matches as assert_close, reference as compressed
     from test_engine import deviation
+    from test_local_sgd import GAS, H, STEPS
 
-    def diloco(k, apply_to):
-        cfg = local("diloco", k, H=2)
+    def diloco(k, apply_to):  # the settings diloco_reference simulates
+        cfg = local("diloco", k, H=H)
+        cfg["gradient_accumulation_steps"] = GAS
         cfg["acco"]["compression"] = {**INT8, "apply_to": apply_to}
         return cfg
 
-    def diloco_ref(world, k, apply_to, layout="zero"):
-        return simulate_compressed_diloco(common.make_model(0), common.loss_fn, common.micro_batch, world_size=world,
-                                          group_size=k, gradient_accumulation_steps=2, steps=6, sync_every=2,
-                                          optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=0.7,
-                                          outer_momentum=0.9, nesterov=True, block_size=16, apply_to=apply_to,
-                                          layout=layout)
-
-    two = run([dict(config=config("acco", compression=INT8), steps=4), dict(config=diloco(1, ["outer"]), steps=6)])
-    four = run([dict(config=diloco(2, ["rounds", "outer"]), steps=6), dict(config=diloco(2, ["outer"]), steps=6, fsdp=2)],
-               world=4)
+    two = run([dict(config=config("acco", compression=INT8), steps=4), dict(config=diloco(1, ["outer"]), steps=STEPS)])
+    four = run([dict(config=diloco(2, ["rounds", "outer"]), steps=STEPS),
+                dict(config=diloco(2, ["outer"]), steps=STEPS, fsdp=2)], world=4)
     assert_close(two[0][0]["committed"], compressed("acco", 2)["params"])
     assert two[0][0]["stats"]["compression"] == "int8 blocks of 16" and two[0][0]["stats"]["compressed_bytes"] > 0
     cases = [(two, 1, 2, 1, ["outer"], "zero"), (four, 0, 4, 2, ["rounds", "outer"], "zero"),
              (four, 1, 4, 2, ["outer"], "fsdp2")]
     for results, i, world, k, apply_to, layout in cases:
-        ref = diloco_ref(world, k, apply_to, layout)
+        ref = diloco_reference(world, k, apply_to, layout)
         for rank in range(world):
             r = results[rank][i]
             assert_close(r["params"], ref["replicas"][rank // k])
             assert_close(r["committed"], ref["anchor"])
             assert r["stats"]["outer_compression"] == "int8 blocks of 16" and r["stats"]["outer_residual_bytes"] > 0
-        assert deviation(results[0][i]["committed"], local_reference(world, k, "diloco", steps=6, H=2)["anchor"]) \
+        assert deviation(results[0][i]["committed"], local_reference(world, k, "diloco", steps=STEPS, H=H)["anchor"]) \
             > 4 * FLIP_TOL, "compression changed nothing"
 
 
