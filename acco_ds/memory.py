@@ -30,8 +30,9 @@ from typing import Optional, Union
 
 import torch
 
-from .runtime.buffers import RoundCompression, plan_bytes
-from .runtime.compression import residual_dtype
+from .algorithms.rounds import keeps_shard, overlaps
+from .runtime.rounds.buffers import RoundCompression, plan_bytes
+from .runtime.comm.compression import residual_dtype
 from .runtime.dtypes import DTYPES
 from .runtime.dtypes import as_dtype as _dtype
 from .runtime.dtypes import size as _size
@@ -60,8 +61,8 @@ def acco_buffer_bytes(numel: int, world_size: int, dtype="bf16", grad_accum_dtyp
     model = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model
     comm = _dtype(communication_data_type) if communication_data_type is not None else model
-    return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=mode == "acco",
-                          overlap=mode in ("acco", "dpu"),
+    return sum(plan_bytes(numel, numel // world_size, model, accum, comm, keep_shard=keeps_shard(mode),
+                          overlap=overlaps(mode),
                           compression=round_compression(compression, nodes or world_size)).values())
 
 

@@ -115,7 +115,7 @@ def config_report(path: str) -> int:
     import json
 
     from .config import parse_acco_config
-    from .runtime.compression import describe
+    from .runtime.comm.compression import describe
     try:
         with open(path) as f:
             acco = parse_acco_config(json.load(f))

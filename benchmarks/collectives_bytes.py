@@ -28,7 +28,7 @@ from pathlib import Path
 import harness
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ["barrier", "torch reduce_scatter_tensor", "acco_ds.runtime.collectives.reduce_scatter", "all_to_all_single",
+OPS = ["barrier", "torch reduce_scatter_tensor", "acco_ds.runtime.comm.collectives.reduce_scatter", "all_to_all_single",
        "all_gather_into_tensor"]
 
 
@@ -37,7 +37,7 @@ def worker(args):
     import torch
     import torch.distributed as tdist
 
-    from acco_ds.runtime.collectives import reduce_scatter
+    from acco_ds.runtime.comm.collectives import reduce_scatter
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     numel = args.mib * (1 << 20) // 4
@@ -49,7 +49,7 @@ def worker(args):
     ops = {
         "barrier": lambda: None,
         "torch reduce_scatter_tensor": lambda: native_rs(shard, buf, op=tdist.ReduceOp.SUM),
-        "acco_ds.runtime.collectives.reduce_scatter": lambda: reduce_scatter(shard, buf, None),
+        "acco_ds.runtime.comm.collectives.reduce_scatter": lambda: reduce_scatter(shard, buf, None),
         "all_to_all_single": lambda: tdist.all_to_all_single(full, buf),
         "all_gather_into_tensor": lambda: native_ag(full, shard),
     }

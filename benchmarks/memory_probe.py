@@ -159,8 +159,8 @@ def fix_trace():
     import threading
 
     import torch
-    coll = _acco_module("acco_ds.runtime.collectives", "acco_ds.collectives")
-    upd = _acco_module("acco_ds.runtime.update", "acco_ds.update")
+    coll = _acco_module("acco_ds.runtime.comm.collectives", "acco_ds.runtime.collectives", "acco_ds.collectives")
+    upd = _acco_module("acco_ds.runtime.rounds.update", "acco_ds.runtime.update", "acco_ds.update")
 
     def traced(what, fn):
         def wrapper(*a, **k):

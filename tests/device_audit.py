@@ -9,7 +9,7 @@ device, and records each collective's tensors and group. A marked tensor handed 
 tensor NCCL would refuse: a violation, with the call site.
 
 ``install()`` runs before the scenario builds anything; it also re-binds the native flat-tensor collectives
-that ``runtime.collectives`` bound at import.
+that ``runtime.comm.collectives`` bound at import.
 """
 
 import os
@@ -73,7 +73,7 @@ class DeviceAudit:
                 if original is not None:
                     self._saved.append((module, name, original))
                     setattr(module, name, wrap(name, original))
-        bound = sys.modules.get("acco_ds.runtime.collectives")  # imported already: re-bind its natives
+        bound = sys.modules.get("acco_ds.runtime.comm.collectives")  # imported already: re-bind its natives
         if bound is not None:
             for attr, name in (("_native_reduce_scatter", "reduce_scatter_tensor"),
                                ("_native_all_gather", "all_gather_into_tensor")):

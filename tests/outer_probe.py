@@ -1,11 +1,11 @@
 """An outer loop from outside the package, for tests/test_local_sgd.py: DiLoCo that also counts the host's
 calls. It is registered with ``register_outer_loop`` by the worker, touching no file of acco_ds."""
 
-from acco_ds.runtime.local_sgd import LocalSGD
+from acco_ds.runtime.outer.diloco import DiLoCo
 
 
-class CountingLoop(LocalSGD):
-    """``LocalSGD`` plus a count of each hook the host calls, reported through ``stats()`` and ``report()``."""
+class CountingLoop(DiLoCo):
+    """``DiLoCo`` plus a count of each hook the host calls, reported through ``stats()`` and ``report()``."""
 
     HOOKS = ("attach", "after_inner_step", "wait", "before_read", "committed_flats", "finalize", "close")
 

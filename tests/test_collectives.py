@@ -54,7 +54,7 @@ def native_reduce_scatter(out, inp):
 # ------------------------------------------------------------ rank-side cases
 def case_fp32_chunks(rank, world):
     """Random fp32, P not a multiple of the chunk, several chunks; rank-order sum bit for bit."""
-    from acco_ds.runtime.collectives import reduce_scatter
+    from acco_ds.runtime.comm.collectives import reduce_scatter
     numel = 1000
     for chunk in (96, 1, 999, 1000, 5000):
         xs = inputs(world, numel, torch.float32, seed=chunk)
@@ -71,7 +71,7 @@ def case_fp32_chunks(rank, world):
 
 def case_odd_sizes(rank, world):
     """Padded-partition sizes: P odd (13, 1, 7), chunks smaller and larger than P."""
-    from acco_ds.runtime.collectives import reduce_scatter
+    from acco_ds.runtime.comm.collectives import reduce_scatter
     for numel, chunk in ((13, 4), (13, 13), (13, 1 << 18), (1, 1), (7, 2)):
         xs = inputs(world, numel, torch.float32, seed=numel * 100 + chunk)
         out = torch.empty(numel)
@@ -81,7 +81,7 @@ def case_odd_sizes(rank, world):
 
 def case_half(rank, world):
     """bf16 and fp16: summed in that dtype, rounding after each addition, like gloo."""
-    from acco_ds.runtime.collectives import reduce_scatter
+    from acco_ds.runtime.comm.collectives import reduce_scatter
     numel = 301
     for dtype in (torch.bfloat16, torch.float16):
         xs = inputs(world, numel, dtype, seed=7)
@@ -105,7 +105,7 @@ def case_vs_native(rank, world):
     """Against torch's reduce_scatter_tensor on gloo, bit for bit: on small integers for every W and dtype
     (exact sums, order does not matter), on random floats for W = 2. For W >= 3 and random floats gloo's
     order (its all-reduce ring) is not rank order: record how many elements differ, for information."""
-    from acco_ds.runtime.collectives import reduce_scatter
+    from acco_ds.runtime.comm.collectives import reduce_scatter
     numel = 777
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xs = inputs(world, numel, dtype, seed=3, integers=True)
@@ -130,7 +130,7 @@ def case_async_and_gather(rank, world):
     storage that was the reduce-scatter input (the ZeRO-1 pattern)."""
     import torch.distributed as tdist
 
-    from acco_ds.runtime.collectives import all_gather, reduce_scatter
+    from acco_ds.runtime.comm.collectives import all_gather, reduce_scatter
     numel = 13
     xs = inputs(world, numel, torch.float32, seed=11)
     buf = xs[rank].clone()
@@ -170,7 +170,7 @@ def case_hierarchical(rank, world):
     in place; groups on one node, with one rank per node or with uneven nodes get no layout (flat)."""
     import torch.distributed as tdist
 
-    from acco_ds.runtime.collectives import all_gather, node_layout, reduce_scatter
+    from acco_ds.runtime.comm.collectives import all_gather, node_layout, reduce_scatter
     layout = node_layout([list(range(world))], 2, flat=None)
     assert node_layout([list(range(world))], world) is None  # one node
     assert node_layout([list(range(world))], 1) is None  # one rank per node
@@ -216,8 +216,8 @@ def case_compressed(rank, world):
     import torch.distributed as tdist
 
     from acco_ds import ops
-    from acco_ds.runtime import compression
-    from acco_ds.runtime.collectives import node_layout
+    from acco_ds.runtime.comm import compression
+    from acco_ds.runtime.comm.collectives import node_layout
     block, chunk, numel = 16, 48, 100  # chunk: 3 blocks; numel: 2 full chunks and a short one
     layouts = [("flat", None)]
     if world == 4:
@@ -345,7 +345,7 @@ def test_collectives(case, world):
 def test_is_gloo_parses_backends(monkeypatch):
     import torch.distributed as tdist
 
-    from acco_ds.runtime import collectives
+    from acco_ds.runtime.comm import collectives
     cases = [("gloo", True, True), ("nccl", False, False), ("cpu:gloo,cuda:nccl", True, False),
              ("cuda:nccl,cpu:gloo", True, False), ("cpu:gloo,cuda:gloo", True, True)]
     for backend, cpu, cuda in cases:

@@ -232,7 +232,7 @@ def test_integer_keys_take_json_integers_only(path, value):
 
 def test_what_compression_applies_to_and_says():
     """Default ("auto"): what crosses nodes; a listed entry wherever it runs; the words the banner prints."""
-    from acco_ds.runtime.compression import describe
+    from acco_ds.runtime.comm.compression import describe
     off = parse_acco_config({"acco": {"enabled": True}})
     assert not off.compression.enabled and describe(off.compression, False) == "off (full precision)"
     auto = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "compression": {"dtype": "int8"}}})

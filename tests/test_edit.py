@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import common
 from acco_ds.algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
 from acco_ds.algorithms.periods import PeriodSchedule
-from acco_ds.runtime.layerwise import ChunkGate, chunk_bounds, last_chunk
+from acco_ds.runtime.outer.layerwise import ChunkGate, chunk_bounds, last_chunk
 from acco_ds.testing.simulator import simulate_local_sgd
 from dist import launch
 from test_engine import assert_matches

@@ -4,7 +4,7 @@ weights in state_dict, evaluation and checkpoints, and finalize. 2 CPU ranks."""
 import torch
 
 import common
-from acco_ds.runtime.buffers import plan_bytes
+from acco_ds.runtime.rounds.buffers import plan_bytes
 from acco_ds.memory import acco_buffer_bytes, estimate_memory, padded_numel
 from dist import launch
 from test_engine import DRIFT_VS_STOCK, STEPS, W, assert_matches, deviation, reference

@@ -138,7 +138,7 @@ def test_the_default_keys_are_plain_diloco_bit_for_bit():
     explicit = {**plain, "fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
     runs = [dict(config=common.ds_config(acco={"mode": "diloco", "local_sgd": block}, gas=GAS, clip=0.05),
                  steps=STEPS + 1, record_committed=True, finalize=True) for block in (plain, explicit, explicit)]
-    runs[2]["outer_loops"] = {"diloco": "acco_ds.runtime.streaming:StreamingDiLoCo"}  # last: it stays registered
+    runs[2]["outer_loops"] = {"diloco": "acco_ds.runtime.outer.streaming:StreamingDiLoCo"}  # last: it stays registered
     results = launch({"runs": runs}, world_size=2, timeout=280)
     for rank in range(2):
         want = results[rank][0]

@@ -103,7 +103,7 @@ def run(spec, rank, world):
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, common.lr_factor)
     init = acco_ds.initialize if spec.get("use_acco_initialize", True) else deepspeed.initialize
     for mode, factory in spec.get("outer_loops", {}).items():  # an outer algorithm from outside the package
-        from acco_ds.runtime.outer_loop import register_outer_loop
+        from acco_ds.runtime.outer.interface import register_outer_loop
         register_outer_loop(mode, factory)
     key = spec.get("config_key", "config")
     engine, _, _, _ = init(model=model, model_parameters=params, **{key: config}, **kwargs)

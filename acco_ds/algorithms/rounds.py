@@ -31,6 +31,17 @@ STARTUP, ESTIMATE, REAL, DELAYED, SYNC = "startup", "estimate", "real", "delayed
 PEEK, COMMIT = "peek", "commit"
 
 
+def overlaps(mode: str) -> bool:
+    """Does ``mode``'s communication run while the compute side works? (``acco``, ``dpu``; not ``sync``, nor a
+    local-SGD mode's inner steps, which are ``sync`` rounds.)"""
+    return mode in ("acco", "dpu")
+
+
+def keeps_shard(mode: str) -> bool:
+    """Does ``mode`` have estimate rounds, whose reduced shard the real round adds back? (``acco``.)"""
+    return mode == "acco"
+
+
 @dataclass(frozen=True)
 class Round:
     index: int
@@ -83,7 +94,7 @@ class RoundSchedule:
     @property
     def overlaps(self) -> bool:
         """Communication runs while the compute side works (not in ``sync``)."""
-        return self.mode != "sync"
+        return overlaps(self.mode)
 
     @property
     def adaptive(self) -> bool:

@@ -2,7 +2,7 @@
 
 DeepSpeed saves the fp32 master partition and the optimizer state; ACCO adds,
 per rank, what is in flight so that a resumed run continues bit for bit
-(``runtime.round_state``: the round position, the unfinished round's
+(``runtime.rounds.state``: the round position, the unfinished round's
 gradients, the kept shard, a finished commit not installed yet, the outer
 loop's state) under the key ``"acco"`` of each rank's optimizer state. Also
 here: the errors of failed saves and loads, and A-EDiT's per-replica counters.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import checkpoint_mismatch
-from ..runtime.round_state import check_state, load_state, save_state  # noqa: F401 - the zero1 side uses them
+from ..runtime.rounds.state import check_state, load_state, save_state  # noqa: F401 - the zero1 side uses them
 
 ACCO_STATE_KEY = "acco"
 

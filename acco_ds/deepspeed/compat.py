@@ -305,7 +305,7 @@ env_report = _resolved[("deepspeed.env_report", "main")]
 
 def fused_adamw(optimizer) -> Optional[bool]:
     """None unless ``optimizer`` is DeepSpeed's ``FusedAdam``; then whether it runs in AdamW mode
-    (its ``adam_w_mode``), for the runtime's fused Peek (``runtime.update``)."""
+    (its ``adam_w_mode``), for the runtime's fused Peek (``runtime.rounds.update``)."""
     if type(optimizer) is not FusedAdam:
         return None
     if not hasattr(optimizer, "adam_w_mode"):

@@ -35,18 +35,18 @@ import contextlib
 import torch.distributed as tdist
 
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
-from ..runtime.job import CommResult
-from ..runtime.outer_loop import make_groups, needs_replicas
+from ..runtime.rounds.job import CommResult
+from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
 from . import checkpoint
 from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
                      logger)
 from .compat import comm as dist
-from ..runtime.stats import banner, report_lines
+from ..runtime.rounds.stats import banner, report_lines
 from .progress import _report_commit, _say
 from .zero1 import ACCOZeroOptimizer
 
 
-class ACCOEngine(DeepSpeedEngine):
+class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
     """DeepSpeed engine with ACCO. Create it through ``acco_ds.initialize`` (or
     ``deepspeed.initialize`` after ``acco_ds.patch()``), never directly."""
 
@@ -202,9 +202,9 @@ class ACCOEngine(DeepSpeedEngine):
         return report_lines(self.optimizer)
 
     @property
-    def acco_syncs(self) -> int:
-        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
-        return self.optimizer.outer.syncs
+    def outer(self):
+        """The outer loop (``OuterLoopHost.acco_syncs`` reads it)."""
+        return self.optimizer.outer
 
     # ------------------------------------------------- committed weights
     @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """DeepSpeed's loss scaler, once per committed ACCO step: a round's gradients may have been computed at a
 scale the scaler has lowered since (the pipeline runs one round ahead), which must not count twice."""
 
-from ..runtime.job import CommResult
+from ..runtime.rounds.job import CommResult
 from .compat import logger
 
 

@@ -4,7 +4,7 @@ With an ``mpu`` (Megatron-DeepSpeed), the data-parallel ranks of each
 model-parallel position form their own group: with TP = 2 on 4 ranks the
 data-parallel groups are {0, 2} and {1, 3}, the model-parallel ones {0, 1}
 and {2, 3}. Their communication-thread copies and node-aware layouts are made
-by ``runtime.groups``.
+by ``runtime.comm.groups``.
 
 ZeRO-1 counts each parameter once in the global gradient norm: a parameter
 split across model-parallel ranks on every rank, a replicated one only on

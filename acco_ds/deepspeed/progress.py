@@ -1,11 +1,11 @@
 """What the engine prints: the start-up line, the per-step progress line, the summary lines, and monitor
 events. The round modes describe their rounds; a mode with an outer loop is described by the loop's own
-``banner``, ``progress`` and ``report`` (``runtime.outer_loop``), printed as they are."""
+``banner``, ``progress`` and ``report`` (``runtime.outer.interface``), printed as they are."""
 
 import torch.distributed as tdist
 
-from ..runtime.job import CommResult
-from ..runtime.stats import round_words
+from ..runtime.rounds.job import CommResult
+from ..runtime.rounds.stats import round_words
 
 
 def _report_commit(engine, result: CommResult) -> None:

@@ -4,7 +4,7 @@ It reuses everything ZeRO-1 builds: the flat, padded parameter buffers
 (``bit16_groups_flat``), their equal partitions, this rank's fp32 master
 partition (``single_partition_of_fp32_groups``), the wrapped torch optimizer
 that only sees that partition, the loss scaler and the checkpoint format. How
-gradients travel is ``runtime.driver.RoundDriver``'s (the same rounds as the
+gradients travel is ``runtime.rounds.driver.RoundDriver``'s (the same rounds as the
 torch host's): backward hooks add each gradient into a flat accumulator, and
 when a round ends the communication thread reduce-scatters it, runs the Peek
 or commit and all-gathers the next parameters over the same buffer.
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as tdist
 
 from ..config import ACCOConfig
-from ..runtime.driver import RoundDriver
-from ..runtime.job import CommResult
+from ..runtime.rounds.driver import RoundDriver
+from ..runtime.rounds.job import CommResult
 from . import checkpoint
 from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 from .loss_scale import account_loss_scale
-from ..runtime.groups import crosses_nodes, node_layout, side_group
+from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
 from .parallel import norm_segments
 
 

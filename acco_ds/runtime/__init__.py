@@ -1,10 +1,15 @@
-"""The runtime every algorithm runs on, free of DeepSpeed:
+"""The runtime every algorithm runs on, free of DeepSpeed, in three rooms:
 
-* ``buffers``: the flat accumulator / communication buffers and their memory plan;
-* ``comm``: the communication thread (own process group, own CUDA stream);
-* ``collectives``: reduce-scatter / all-gather with optimal bytes per backend;
-* ``update``: the inner (sharded optimizer) update, Peek or commit;
-* ``job``: one round's communication job as named phases, and its result;
-* ``stats``: per-round statistics the engine reads;
-* ``dtypes``: DeepSpeed's dtype names.
+* ``rounds``: the round machinery every host drives: ``driver`` (``RoundDriver``), ``job`` (one round's
+  communication as named phases), ``buffers`` (flat accumulator and communication buffers, their memory
+  plan), ``update`` (the sharded inner update, Peek or commit), ``views`` (committed-weight views),
+  ``state`` (what a checkpoint adds), ``stats`` (figures and words), ``host_memory``;
+* ``comm``: the communication side: ``worker`` (the communication thread, its own process group and CUDA
+  stream), ``collectives`` (reduce-scatter / all-gather with optimal bytes per backend, node-aware
+  layouts), ``compression`` (block-quantized collectives with error feedback), ``groups``;
+* ``outer``: the outer loops of the local-SGD family: ``interface`` (what a host calls, the registry),
+  ``base`` (anchor, momentum, average, install, state), one module per loop (``diloco``, ``co2``,
+  ``edit``, ``streaming``), ``update`` (the outer optimizer step), ``words``.
+
+``dtypes`` (DeepSpeed's dtype names) serves all three.
 """

@@ -33,7 +33,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..memory import padded_numel
 from ..ops import reference
-from .simulator import clip_coefficient
+from .simulator import optimizer_update
 
 
 class Quantizer:
@@ -134,30 +134,10 @@ class _Replica:
         return sends, count * len(self.ranks)
 
     def update(self, gsum: torch.Tensor, n: int, commit: bool, clip: float, norms: list) -> torch.Tensor:
-        """The optimizer on ``gsum / n`` (clipped), Peek when not ``commit``; returns the new parameters."""
-        g = gsum[:self.N] / n
-        norm = float(g.norm())
-        g = g * clip_coefficient(norm, clip)
-        if not commit:
-            saved = (self.theta(), {p: copy.deepcopy(self.opt.state[p]) for p in self.params if p in self.opt.state})
-        offset = 0
-        for p in self.params:
-            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        self.opt.step()
+        """``simulator.optimizer_update`` on the unpadded part; returns the new parameters, padded."""
         target = torch.zeros_like(self.held)
-        target[:self.N] = self.theta()
-        for p in self.params:
-            p.grad = None
-        if commit:
-            norms.append(norm)
-            if self.sched is not None:
-                self.sched.step()
-        else:
-            with torch.no_grad():
-                vector_to_parameters(saved[0], self.params)
-            self.opt.state.clear()
-            self.opt.state.update(saved[1])
+        target[:self.N] = optimizer_update(self.opt, self.params, gsum[:self.N], n, commit=commit, clip=clip,
+                                           sched=self.sched, norms=norms)
         return target
 
     def job(self, sends, n, commit, clip, norms, kept=None) -> torch.Tensor:

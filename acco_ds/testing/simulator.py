@@ -35,6 +35,40 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return 1.0 / max(1.0, (norm + 1e-6) / max_norm)
 
 
+def optimizer_update(opt, params, g_sum: torch.Tensor, n: int, *, commit: bool, clip: float = 0.0, sched=None,
+                     norms: Optional[list] = None) -> torch.Tensor:
+    """The update every simulator applies: ``opt`` (over ``params``) steps on the mean gradient ``g_sum / n``
+    clipped by DeepSpeed's rule (global norm). A commit steps ``sched`` and appends the norm to ``norms``;
+    otherwise it is a Peek: the optimizer runs on a deep copy of its state, which is thrown away (the naive
+    way the fused kernel replaces), and the parameters are restored. Returns the updated flat parameters."""
+    g = g_sum / n
+    norm = float(g.norm())
+    g = g * clip_coefficient(norm, clip)
+    theta = lambda: parameters_to_vector([p.detach() for p in params]).clone()  # noqa: E731
+    if not commit:
+        saved_theta = theta()
+        saved_state = {p: copy.deepcopy(opt.state[p]) for p in params if p in opt.state}
+    offset = 0
+    for p in params:
+        p.grad = g[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    opt.step()
+    result = theta()
+    for p in params:
+        p.grad = None
+    if commit:
+        if sched is not None:
+            sched.step()
+        if norms is not None:
+            norms.append(norm)
+    else:
+        with torch.no_grad():
+            vector_to_parameters(saved_theta, params)
+        opt.state.clear()
+        opt.state.update(saved_state)
+    return result
+
+
 class _Workers:
     """W simulated workers sharing one model; worker w reads micro-batches
     ``micro_batch(w, 0), micro_batch(w, 1), ...`` in order."""
@@ -108,30 +142,8 @@ def simulate(mode: str,
         return parameters_to_vector([p.detach() for p in masters]).clone()
 
     def update(g_sum, n, commit):
-        g = g_sum / n
-        norm = float(g.norm())
-        g = g * clip_coefficient(norm, clip)
-        if not commit:
-            saved_theta = theta()
-            saved_state = {p: copy.deepcopy(opt.state[p]) for p in masters if p in opt.state}
-        offset = 0
-        for p in masters:
-            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        opt.step()
-        result = theta()
-        for p in masters:
-            p.grad = None
-        if commit:
-            if sched is not None:
-                sched.step()
-            out["grad_norms"].append(norm)
-        else:
-            with torch.no_grad():
-                vector_to_parameters(saved_theta, masters)
-            opt.state.clear()
-            opt.state.update(saved_state)
-        return result
+        return optimizer_update(opt, masters, g_sum, n, commit=commit, clip=clip, sched=sched,
+                                norms=out["grad_norms"])
 
     if mode == "sync":
         for _ in range(steps):
@@ -161,7 +173,7 @@ def flat_params(module: torch.nn.Module) -> torch.Tensor:
     return parameters_to_vector([p.detach() for p in module.parameters() if p.requires_grad])
 
 
-__all__: List[str] = ["simulate", "simulate_local_sgd", "clip_coefficient", "flat_params"]
+__all__: List[str] = ["simulate", "simulate_local_sgd", "optimizer_update", "clip_coefficient", "flat_params"]
 
 
 def simulate_local_sgd(mode: str,
@@ -249,12 +261,7 @@ def simulate_local_sgd(mode: str,
                 nxt[r] += 1
                 n += 1
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params[g]]
-        norm = float(parameters_to_vector(grads).div(n).norm())
-        for p, grad in zip(params[g], grads):
-            p.grad = grad / n * clip_coefficient(norm, clip)
-        opts[g].step()
-        if scheds[g] is not None:
-            scheds[g].step()
+        optimizer_update(opts[g], params[g], parameters_to_vector(grads), n, commit=True, clip=clip, sched=scheds[g])
 
     def set_replica(g, value):
         with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import replica_group_size
-from ..runtime.outer_loop import make_groups
+from ..runtime.outer.interface import make_groups
 from .fsdp import FSDPLocalSGD
 from .replicated import ACCOOptimizer
 from .settings import HostSettings, read_config

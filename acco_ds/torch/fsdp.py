@@ -3,7 +3,7 @@
 Each replica's ``k`` ranks shard the model with FSDP2 (``fully_shard``) on a
 1D mesh of their own (``acco_ds.torch.replica_mesh(k)``); inner steps are
 plain FSDP2 steps of the user's optimizer inside the replica. The outer loop
-(``runtime.local_sgd``/``streaming``) runs every period on the local shards
+(``runtime.outer``: one class per mode) runs every period on the local shards
 (DTensor local tensors: this rank's fp32 piece of each parameter, which the
 inner optimizer steps and FSDP2 gathers from) over cross-replica groups of the
 ranks that hold the same shards. So the anchor, the outer momentum and what is
@@ -26,13 +26,13 @@ from typing import List
 import torch
 import torch.distributed as tdist
 
-from ..runtime.outer_loop import Shards, build_outer_loop
+from ..runtime.outer.interface import OuterLoopHost, Shards, build_outer_loop
 from .settings import HostSettings
 
 FORMAT = "acco_ds.torch/fsdp2/1"
 
 
-class FSDPLocalSGD(torch.optim.Optimizer):
+class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
     """The optimizer ``acco_ds.torch.initialize`` returns for an FSDP2 model in a local-SGD mode.
 
     Args:
@@ -200,11 +200,6 @@ class FSDPLocalSGD(torch.optim.Optimizer):
     def acco_stats(self) -> dict:
         return dict(self.outer.stats(), mode=self.acco.mode, global_steps=self.global_steps,
                     skipped_steps=self.skipped_steps)
-
-    @property
-    def acco_syncs(self) -> int:
-        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
-        return self.outer.syncs
 
     def acco_report(self) -> list:
         return [("inner steps", f"{self.global_steps} FSDP2 steps on this rank's replica of {self.groups.k} "

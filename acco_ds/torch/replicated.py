@@ -14,7 +14,7 @@ this rank's fp32 master partition of it, and rebinds the user's optimizer to
 that partition, so its state is sharded across the ranks of the ZeRO group
 (all ranks in the round modes, one replica's ``k`` ranks in the local-SGD
 modes) like ``ZeroRedundancyOptimizer``. Rounds run as on the DeepSpeed host
-(``runtime.driver``): a post-accumulate-grad hook adds every gradient into the
+(``runtime.rounds.driver``): a post-accumulate-grad hook adds every gradient into the
 flat accumulator and frees it; at the end of each backward (an autograd
 callback, as DDP ends its reductions) the micro-batch is counted and a due
 round ends. ``optimizer.step()`` therefore applies nothing itself: it checks
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as tdist
 
 from ..memory import padded_numel
-from ..runtime.driver import RoundDriver
-from ..runtime.groups import crosses_nodes, node_layout, side_group
-from ..runtime.job import CommResult
-from ..runtime.round_state import check_state, load_state, save_state
-from ..runtime.stats import banner, report_lines
+from ..runtime.rounds.driver import RoundDriver
+from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
+from ..runtime.rounds.job import CommResult
+from ..runtime.rounds.state import check_state, load_state, save_state
+from ..runtime.rounds.stats import banner, report_lines
 from .settings import HostSettings
 
 FORMAT = "acco_ds.torch/replicated/1"
@@ -244,11 +244,6 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
     # -------------------------------------------------------- observability
     def acco_stats(self) -> dict:
         return dict(self.round_stats(), global_steps=self.global_steps, skipped_steps=self.skipped_steps)
-
-    @property
-    def acco_syncs(self) -> int:
-        """Outer syncs done (local-SGD modes), the same on every rank (A-EDiT's training loops end on it)."""
-        return self.outer.syncs
 
     def acco_report(self) -> list:
         """The mode's lines of a run summary, ``(label, text)`` pairs."""

@@ -1,5 +1,6 @@
-"""What the local-SGD outer loop says: its start-up words, summary lines and progress words (from
-``LocalSGD.stats()``), printed by every host as they are."""
+"""What a local-SGD outer loop says: its start-up words, summary lines and progress words (from
+``LocalSGD.stats()`` and ``period_words()``), printed by every host as they are; a mode adds its own
+lines in its class."""
 
 from typing import List, Tuple
 
@@ -11,8 +12,7 @@ def _inner(loop) -> str:
 
 def banner(loop) -> str:
     """The loop's words in the host's start-up line."""
-    period = (f"sync_time_s={loop.sync_time_s:g} (A-EDiT)" if loop.schedule.timed else
-              f"sync_every={loop.schedule.sync_every}")
+    period = loop.period_words()[0]
     st = loop.settings
     outer = (f"outer=SGD lr={st['outer_lr']:g} momentum={st['outer_momentum']:g}"
              f"{' nesterov' if st['nesterov'] else ''}")
@@ -24,13 +24,12 @@ def banner(loop) -> str:
 def report(loop) -> List[Tuple[str, str]]:
     """The summary lines of this mode, from ``stats()``."""
     s = loop.stats()
-    period = (f"a sync every {s['sync_time_s']:g} s of wall time (A-EDiT)" if loop.schedule.timed else
-              f"a sync every {s['sync_every']} inner steps")
+    period = loop.period_words()[1]
     lines = [("replicas", f"{s['replicas']} replicas x {s['replica_group_size']} ranks ({_inner(loop)} inside each), "
                           f"{period}")]
     syncs = s["syncs"]
     hidden = s["outer_hidden_fraction"]
-    overlap = ("blocking: nothing hidden" if loop.mode == "diloco" else
+    overlap = ("blocking: nothing hidden" if loop.outer_comm is None else
                "n/a" if hidden is None else f"{100 * hidden:.0f}% hidden behind compute")
     per_sync = f"{s['outer_bytes'] / syncs / 2**20:.2f} MiB sent per sync by this rank (payload" \
                f"{'' if loop.compression is None else ', ' + str(loop.compression.codec)}), " if syncs else ""
@@ -38,13 +37,6 @@ def report(loop) -> List[Tuple[str, str]]:
     counted = f" over the {syncs - reads} syncs training collected ({reads} collected by a read)" if reads else ""
     lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s"
                                  f"{counted}, {overlap} (waited {s['outer_wait_s']:.2f} s)"))
-    if loop.edit is not None:
-        lines.append(("anomalies", f"{s['anomalies']} replica-periods left out of the average"))
-    if loop.schedule.timed and s["sync_history"]:
-        steps = [[int(h["steps"][r]) for h in s["sync_history"]] for r in range(s["replicas"])]
-        lines.append(("inner steps", "per period, replica by replica (min/mean/max): " + ", ".join(
-            f"{min(x)}/{sum(x) / len(x):.1f}/{max(x)}" for x in steps) +
-            f"; longest wait at a sync {s['max_sync_wait_s']:.2f} s"))
     return lines
 
 

@@ -37,9 +37,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from ..ops.reference import WIRE_DTYPES, num_blocks
+from ...ops.reference import WIRE_DTYPES, num_blocks
 from . import collectives
-from .dtypes import as_dtype
+from ..dtypes import as_dtype
 
 logger = logging.getLogger("acco_ds")
 
@@ -94,7 +94,7 @@ def round_codec(acco, kernels, layout, world_size: int, crosses_nodes: bool = Tr
     """The codec of the rounds and the buffers' ``RoundCompression`` for an ``ACCOConfig``, or (None, None)
     when rounds are not compressed. ``layout``: the node-aware layout (its rail is the quantized step);
     ``crosses_nodes``: the group spans nodes (``apply_to`` auto compresses only such groups)."""
-    from .buffers import RoundCompression
+    from ..rounds.buffers import RoundCompression
     c = acco.compression
     if not c.applies_to("rounds", crosses_nodes):
         return None, None

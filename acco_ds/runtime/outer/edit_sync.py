@@ -9,7 +9,7 @@ communication thread, which
    all-reduce);
 2. turns them into the weights of ``algorithms.penalty`` (anomaly
    elimination, norm weighting, A-EDiT's step weighting) and scales ``δ``;
-3. chunk by chunk, in forward order (``runtime.layerwise``): all-reduces the
+3. chunk by chunk, in forward order (``outer.layerwise``): all-reduces the
    chunk across replicas, applies the outer step to the anchor, copies it to
    the master shard, all-gathers it into the replica's bit16 parameters, and
    releases the chunk to the forward pre-hooks waiting for it.
@@ -30,9 +30,9 @@ from typing import Callable, List
 import torch
 import torch.distributed as tdist
 
-from ..algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
+from ...algorithms.penalty import AnomalyDetector, clip_scale, replica_weights
 from .layerwise import ChunkGate, chunk_bounds, last_chunk
-from .update import squared_norm
+from ..rounds.update import squared_norm
 
 
 SWITCH_INTERVAL_S = 2e-4

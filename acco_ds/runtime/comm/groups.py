@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch.distributed as tdist
 
-from ..config_local import collectives_layout, ranks_per_node, spans_nodes
+from ...config_local import collectives_layout, ranks_per_node, spans_nodes
 from . import collectives
 from .collectives import NodeLayout
 

@@ -31,8 +31,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as tdist
 
-from ..algorithms.rounds import COMMIT, Round
-from . import collectives, compression
+from ...algorithms.rounds import COMMIT, Round
+from ..comm import collectives, compression
 from .update import clip_coefficient, squared_norm
 
 

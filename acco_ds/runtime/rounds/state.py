@@ -10,9 +10,9 @@ yet, and the outer loop's state.
 
 from dataclasses import asdict
 
-from ..config import checkpoint_mismatch
-from . import collectives
-from .compression import residuals_to_load
+from ...config import checkpoint_mismatch
+from ..comm import collectives
+from ..comm.compression import residuals_to_load
 from .job import result_from_dict
 
 

@@ -22,8 +22,10 @@ round modes, so the host calls every hook unconditionally:
 An outer loop never sees the engine or the optimizer: it gets ``Shards`` (its
 fp32 master shards, the replica's flat parameters, a spare flat buffer per
 group, the parameters with their flat offsets) and ``ReplicaGroups`` (its
-process groups). A new algorithm subclasses ``OuterLoop`` and registers
-itself with ``register_outer_loop(mode, factory)``; no host file changes.
+process groups). A new algorithm subclasses ``OuterLoop`` (or
+``base.LocalSGD``, which owns the anchor, the outer momentum, the average and
+the install) and registers itself with ``register_outer_loop(mode, factory)``;
+no host file changes. ``OuterLoopHost`` is what every host shows of its loop.
 """
 
 import importlib
@@ -151,13 +153,26 @@ class OuterLoop:
         pass
 
 
+class OuterLoopHost:
+    """What every host (the DeepSpeed engine, ``acco_ds.torch``'s optimizers) shows of its outer loop
+    ``self.outer``."""
+
+    outer: OuterLoop
+
+    @property
+    def acco_syncs(self) -> int:
+        """Outer syncs the global model has committed (local-SGD modes; 0 in the round modes), the same on
+        every rank: a loop ``while acco_syncs < N`` ends every replica on the same global model (A-EDiT)."""
+        return self.outer.syncs
+
+
 Factory = Callable[..., OuterLoop]
 # mode -> factory(acco_config, shards, groups), or "module:Class" imported on first use (no import cycle,
 # no cost for modes that are not used).
 OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
-    "diloco": "acco_ds.runtime.streaming:build",  # Streaming DiLoCo when its keys are set
-    "co2": "acco_ds.runtime.local_sgd:LocalSGD",
-    "edit": "acco_ds.runtime.local_sgd:LocalSGD",
+    "diloco": "acco_ds.runtime.outer.streaming:build",  # Streaming DiLoCo when its keys are set
+    "co2": "acco_ds.runtime.outer.co2:CO2",
+    "edit": "acco_ds.runtime.outer.edit:EDiT",
 }
 
 
@@ -184,5 +199,5 @@ def build_outer_loop(acco, shards: Shards, groups: Optional[ReplicaGroups]) -> O
     return factory(acco, shards, groups)
 
 
-__all__ = ["OuterLoop", "Shards", "ReplicaGroups", "make_groups", "register_outer_loop", "build_outer_loop",
+__all__ = ["OuterLoop", "OuterLoopHost", "Shards", "ReplicaGroups", "make_groups", "register_outer_loop", "build_outer_loop",
            "needs_replicas", "OUTER_LOOPS"]

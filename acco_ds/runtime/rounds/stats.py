@@ -8,8 +8,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, fields
 from typing import List, Optional, Tuple
 
-from .compression import describe
-from .dtypes import dtype_name
+from ..comm.compression import describe
+from ..dtypes import dtype_name
 from .job import CommResult, Phases
 
 

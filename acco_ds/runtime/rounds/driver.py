@@ -37,19 +37,19 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from ..algorithms.rounds import COMMIT, SYNC, RoundSchedule
+from ...algorithms.rounds import COMMIT, SYNC, RoundSchedule, keeps_shard
 from .buffers import FlatBuffers, allocated_bytes
-from .comm import CommWorker
-from .compression import round_codec
+from ..comm.worker import CommWorker
+from ..comm.compression import round_codec
 from .host_memory import pin_mmap_threshold
 from .job import CommResult, KeptShard, RoundJob
-from .outer_loop import OuterLoop, Shards, build_outer_loop
+from ..outer.interface import OuterLoop, OuterLoopHost, Shards, build_outer_loop
 from .stats import RoundLog
 from .update import ShardUpdate
 from .views import ParamView
 
 
-class RoundDriver:
+class RoundDriver(OuterLoopHost):
     """The round machinery a host inherits. Attributes the host sets before ``setup_rounds``:
     ``acco`` (the ``ACCOConfig``) and ``gradient_accumulation_steps``."""
 
@@ -68,19 +68,19 @@ class RoundDriver:
         self.compute_flats, self.master_shards, self.clip = flats, masters, clip
         self.round_group, self.accum_dtype, self.comm_dtype = group, accum_dtype, comm_dtype
         self.schedule = self.new_schedule()
-        from .. import ops
+        from ... import ops
         self.kernels = ops.load_kernels(acco.kernels, device, jit=jit)
         self.update = ShardUpdate(optimizer, masters, self.kernels, fused_adamw=fused_adamw)
         self.world_size, self.rank = tdist.get_world_size(group), tdist.get_rank(group)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), device, acco.timeout_s, group=side)
         self.layout = layout
         if device.type == "cpu":
-            pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.host_memory)
+            pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.rounds.host_memory)
         overlap = self.schedule.overlaps  # without overlap the job gathers straight into the parameters
         self.codec, rounds_compression = round_codec(acco, self.kernels, layout, self.world_size, crosses_nodes)
         self.buffers = [
             FlatBuffers(flat.numel(), master.numel(), self.world_size, flat.dtype, accum_dtype, comm_dtype,
-                        flat.device, keep_shard=acco.mode == "acco", params=None if overlap else flat,
+                        flat.device, keep_shard=keeps_shard(acco.mode), params=None if overlap else flat,
                         compression=rounds_compression)
             for flat, master in zip(flats, masters)
         ]
@@ -100,7 +100,8 @@ class RoundDriver:
         self._handed_next = (0, 1.0)  # (micro-batches, loss scale) of the gradients the next job reduces
         self._round_start = time.perf_counter()
         self._round_wait_s = 0.0
-        self._last_backward_end = None
+        em = acco.emulation  # benchmark emulation only: this rank computes slower
+        self.slow = SlowRank(em.slow_factor) if em.slow_factor > 1.0 and em.slow_rank == tdist.get_rank() else None
 
     def new_schedule(self) -> RoundSchedule:
         gas = self.gradient_accumulation_steps
@@ -133,9 +134,8 @@ class RoundDriver:
     def count_micro_batch(self) -> None:
         """After a backward: count the micro-batch (its gradients are already in the accumulator)."""
         self.local_micro += 1
-        em = self.acco.emulation
-        if em.slow_factor > 1.0 and em.slow_rank == tdist.get_rank():  # benchmark emulation only
-            self._slow_down(em.slow_factor)
+        if self.slow is not None:
+            self.slow.after_backward(self.outer.waited_s())
 
     def round_may_end(self) -> bool:
         return self.schedule.may_end(self.local_micro, self.pending is not None or self.comm.done())
@@ -299,14 +299,21 @@ class RoundDriver:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``buffers``)."""
         return allocated_bytes(self.buffers)
 
-    def _slow_down(self, factor: float) -> None:
-        """Emulate a slow worker: stretch the compute since the last backward by ``factor``, leaving out the
-        time spent waiting for local-SGD communication."""
-        now, waited = time.perf_counter(), self.outer.waited_s()
-        if self._last_backward_end is not None:
-            then, waited_then = self._last_backward_end
-            time.sleep((factor - 1.0) * (now - then - (waited - waited_then)))
-        self._last_backward_end = (time.perf_counter(), waited)
+
+class SlowRank:
+    """Benchmark emulation of a slow worker (``acco.emulation``): stretch the compute between backward passes
+    by ``factor``, leaving out the time spent waiting for local-SGD communication."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+        self._last = None  # (end of the last backward, outer wait so far then)
+
+    def after_backward(self, waited: float) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            then, waited_then = self._last
+            time.sleep((self.factor - 1.0) * (now - then - (waited - waited_then)))
+        self._last = (time.perf_counter(), waited)
 
 
 __all__ = ["RoundDriver"]

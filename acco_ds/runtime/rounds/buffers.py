@@ -50,7 +50,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .dtypes import size as _size
+from ..dtypes import size as _size
 
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
                comm_dtype: torch.dtype, keep_shard: bool = True, overlap: bool = True,
@@ -80,7 +80,7 @@ def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype
 
 @dataclass
 class RoundCompression:
-    """Compressed rounds (``runtime.compression``): ``peers`` ranks in the quantized step (the group, or the
+    """Compressed rounds (``runtime.comm.compression``): ``peers`` ranks in the quantized step (the group, or the
     rail of a node-aware layout), residuals in ``residual_dtype`` (None: no error feedback)."""
     peers: int
     residual_dtype: Optional[torch.dtype]

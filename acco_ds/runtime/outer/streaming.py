@@ -12,7 +12,7 @@ belongs to fragment f = w mod F (round-robin from fragment 0); with s the inner 
   ``lerp(g_f', θ_f, α) = g_f' + α (θ_f − g_f')`` (θ_f: its values now, τ steps past δ_f).
 
 Each fragment syncs every H inner steps; F = 1, τ = 0, α = 0 is DiLoCo (the host then builds
-``local_sgd.LocalSGD`` itself). Parameter j (element offset o_j in the flat buffers, N elements in all)
+``diloco.DiLoCo`` itself). Parameter j (element offset o_j in the flat buffers, N elements in all)
 belongs to fragment ⌊F o_j / N⌋, so a fragment is a contiguous range of each flat buffer and, on this
 rank, a slice of each master shard. The anchor g and the momentum are sharded like the master weights
 (8N/k bytes per rank for k ranks per replica, not per fragment); one fragment's δ is in flight at a time.
@@ -25,18 +25,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .comm import CommWorker
-from .local_sgd import LocalSGD
-from .outer_loop import ReplicaGroups, Shards
-
-
-def fragments_mismatch(saved: str, now: str) -> ValueError:
-    """A checkpoint of another fragment layout: ``saved`` and ``now`` say which, in the config's words."""
-    return ValueError(f"this diloco checkpoint was saved with {saved} but this run has {now}: its position in the "
-                      f"fragment windows and its in-flight pseudo-gradient belong to that layout. Resume with the "
-                      f"same fragments and fragment_sync_delay, or load only the module weights (load_checkpoint(..., "
-                      f"load_optimizer_states=False, load_lr_scheduler_states=False)): the outer loop then starts "
-                      f"over from them")
+from .diloco import DiLoCo, fragments_mismatch
+from .interface import ReplicaGroups, Shards
 
 
 def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tuple[int, int, int]]]:
@@ -72,20 +62,18 @@ def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tupl
     return out
 
 
-class StreamingDiLoCo(LocalSGD):
+class StreamingDiLoCo(DiLoCo):
     """The outer loop of mode ``diloco`` with ``fragments``/``fragment_sync_delay``/``fragment_update_alpha``.
 
     Args: as ``LocalSGD``.
     """
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
-        super().__init__(acco, shards, groups)
         ls = acco.local_sgd
         self.F, self.tau, self.alpha = ls.fragments, ls.fragment_sync_delay, ls.fragment_update_alpha
+        super().__init__(acco, shards, groups)
         self.h = ls.sync_every // self.F
         self.slices = fragment_slices(shards, groups.shard, self.F)
-        if self.tau > 0 and self.outer_comm is None:  # the prepared all-reduce runs while inner steps go on
-            self.outer_comm = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side)
         self.step = 0  # inner steps since the start (or the last restart)
         self.pending: Optional[dict] = None  # {"fragment", "delta", "received"} of the prepared fragment
         self.fragment_syncs = [0] * self.F
@@ -93,6 +81,10 @@ class StreamingDiLoCo(LocalSGD):
         self.fragment_wait_s = [0.0] * self.F
         self.fragment_bytes = [0] * self.F  # payload this rank handed to each fragment's all-reduces
         self.prepared_at = [0] * self.F  # inner step of each fragment's last δ
+
+    @property
+    def overlapped(self) -> bool:
+        return self.tau > 0  # the prepared all-reduce runs on its own thread while inner steps go on
 
     @property
     def syncs(self) -> int:
@@ -134,8 +126,7 @@ class StreamingDiLoCo(LocalSGD):
 
         if self.tau == 0:
             seconds = job(self.groups.outer_main)
-            self.fragment_comm_s[f] += seconds
-            self.fragment_wait_s[f] += seconds
+            self._count(f, seconds, seconds)
             self.pending["received"] = True
         else:
             self.outer_comm.submit(lambda: job(self.groups.outer_side))
@@ -144,11 +135,18 @@ class StreamingDiLoCo(LocalSGD):
         """Wait for the prepared fragment's mean (the compute side's wait is counted)."""
         if self.pending is None or self.pending["received"]:
             return
-        f = self.pending["fragment"]
         t0 = time.perf_counter()
-        self.fragment_comm_s[f] += self.outer_comm.wait() or 0.0
-        self.fragment_wait_s[f] += time.perf_counter() - t0
+        seconds = self.outer_comm.wait() or 0.0
+        self._count(self.pending["fragment"], seconds, time.perf_counter() - t0)
         self.pending["received"] = True
+
+    def _count(self, f: int, comm_s: float, wait_s: float) -> None:
+        """Fragment ``f``'s all-reduce took ``comm_s``, the compute side waited ``wait_s`` (both also in the
+        loop's totals)."""
+        self.fragment_comm_s[f] += comm_s
+        self.fragment_wait_s[f] += wait_s
+        self.outer_comm_s += comm_s
+        self.outer_wait_s += wait_s
 
     @torch.no_grad()
     def _sync_fragment(self, f: int, alpha: float) -> None:
@@ -184,8 +182,10 @@ class StreamingDiLoCo(LocalSGD):
             theta.copy_(x)
         self._install(self.shards.masters)
 
+    def settle(self) -> None:
+        self._receive()  # a prepared fragment is kept as received: its sync applies it
+
     def state_dict(self) -> dict:
-        self._receive()  # a prepared fragment is saved as received: resume applies it at its sync
         sd = super().state_dict()
         sd["streaming"] = {"step": self.step, "fragments": self.F, "fragment_sync_delay": self.tau,
                            "prepared_at": list(self.prepared_at),
@@ -194,19 +194,21 @@ class StreamingDiLoCo(LocalSGD):
                                "fragment": self.pending["fragment"], "delta": self.pending["delta"].clone()}}
         return sd
 
-    @torch.no_grad()
-    def load_state_dict(self, sd: Optional[dict]) -> None:
-        streaming = (sd or {}).get("streaming")
-        if sd is not None and streaming is None:
+    def check_kind(self, sd: dict) -> None:
+        streaming = sd.get("streaming")
+        if streaming is None:
             raise fragments_mismatch("plain DiLoCo (no Streaming DiLoCo keys)",
                                      f"fragments={self.F}, fragment_sync_delay={self.tau}")
-        if sd is not None and streaming["fragments"] != self.F:
+        if streaming["fragments"] != self.F:
             raise fragments_mismatch(f"acco.local_sgd.fragments={streaming['fragments']}", str(self.F))
-        if sd is not None and streaming.get("fragment_sync_delay", self.tau) != self.tau:
+        if streaming.get("fragment_sync_delay", self.tau) != self.tau:
             raise fragments_mismatch(f"acco.local_sgd.fragment_sync_delay={streaming['fragment_sync_delay']}",
                                      f"fragment_sync_delay={self.tau}")
-        self._receive()
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: Optional[dict]) -> None:
         super().load_state_dict(sd)
+        streaming = sd["streaming"]
         self.step = streaming["step"]
         self.prepared_at = list(streaming["prepared_at"])
         self.fragment_syncs = list(streaming["fragment_syncs"])
@@ -215,7 +217,6 @@ class StreamingDiLoCo(LocalSGD):
                                                "received": True}
 
     def restart(self) -> None:
-        self._receive()
         super().restart()
         self.step, self.pending, self.prepared_at = 0, None, [0] * self.F
 
@@ -224,12 +225,7 @@ class StreamingDiLoCo(LocalSGD):
         return (super().banner() + f" streaming: {self.F} fragments, a sync every {self.h} steps, "
                                    f"fragment_sync_delay={self.tau} fragment_update_alpha={self.alpha:g}")
 
-    def waited_s(self) -> float:
-        return sum(self.fragment_wait_s)
-
     def stats(self) -> dict:
-        # LocalSGD's totals are the fragments' sums (its own accumulators are not used here).
-        self.outer_comm_s, self.outer_wait_s = sum(self.fragment_comm_s), sum(self.fragment_wait_s)
         out = super().stats()
         hidden = [max(0.0, 1.0 - w / c) if c > 0 else None for w, c in zip(self.fragment_wait_s, self.fragment_comm_s)]
         out.update(syncs=sum(self.fragment_syncs), fragments=self.F, fragment_sync_delay=self.tau,
@@ -259,7 +255,7 @@ def build(acco, shards: Shards, groups: ReplicaGroups):
     """Mode ``diloco``'s outer loop: Streaming DiLoCo when its keys ask for it, else plain DiLoCo."""
     if acco.local_sgd is not None and acco.local_sgd.streaming:
         return StreamingDiLoCo(acco, shards, groups)
-    return LocalSGD(acco, shards, groups)
+    return DiLoCo(acco, shards, groups)
 
 
-__all__ = ["StreamingDiLoCo", "fragment_slices", "fragments_mismatch", "build"]
+__all__ = ["StreamingDiLoCo", "fragment_slices", "build"]

@@ -1,0 +1,1 @@
+"""The communication side: the communication thread, collectives, compression and process groups."""

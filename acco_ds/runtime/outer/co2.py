@@ -1,0 +1,84 @@
+"""CO2: the outer all-reduce hidden behind the next period, applied one period late.
+
+At the end of period t the replica sends ``δ_t = s_t − θ`` (where it started
+the period minus where it ended) to the all-reduce, which runs on a
+communication thread of its own (own process group, own CUDA stream) while
+every replica computes period t+1 from where it stood. At the end of period
+t+1 the replica waits for ``δ̄_t``, the outer step gives ``x_{t+1}`` (heavy
+ball by default: ``m ← β m + δ̄/λ``, optionally clamped, ``x ← x − α m``),
+and the replica jumps to ``x_{t+1} − δ_{t+1}``: the new global model plus
+its own progress of period t+1, which it sends next. The applied
+pseudo-gradient is one period stale; the staleness penalty λ damps it.
+At the first sync nothing is in flight: the replica goes on where it stood.
+"""
+
+import time
+
+import torch
+
+from .base import LocalSGD
+
+
+class CO2(LocalSGD):
+    """The outer loop of mode ``co2``: ``start`` (where each period began) and ``in_flight`` (the sent
+    pseudo-gradient, replaced by its mean when the all-reduce is done) are sharded like the anchor.
+    Args: as ``LocalSGD``."""
+
+    overlapped = True
+
+    def __init__(self, acco, shards, groups):
+        super().__init__(acco, shards, groups)
+        self.start = [m.detach().clone() for m in shards.masters]
+        self.in_flight = [torch.zeros_like(m) for m in shards.masters]
+
+    @torch.no_grad()
+    def _sync(self, sync) -> None:
+        masters = self.shards.masters
+        deltas = [s - m for s, m in zip(self.start, masters)]  # δ = start − end of the period
+        if sync.wait_previous:
+            self.settle()
+            self._outer(self.in_flight)
+        if sync.blocking:  # the last sync of a run: average this period at once
+            self._blocking_average(deltas)
+            self._outer(deltas)
+            new = self.anchor
+        elif sync.send:  # jump to the new global model plus this replica's own progress, send that progress
+            new = [x - d for x, d in zip(self.anchor, deltas)]
+            for buf, d in zip(self.in_flight, deltas):
+                buf.copy_(d)
+            self.outer_comm.submit(lambda: self._average(self.in_flight, self.groups.outer_side))
+        else:  # the last sync with no inner step since the previous one: every replica takes the anchor
+            new = self.anchor
+        for s, n in zip(self.start, new):
+            s.copy_(n)
+        self._install(new)
+
+    def settle(self) -> None:
+        """Wait for the in-flight average (it arrives in ``in_flight``)."""
+        if self.outer_comm.busy:
+            t0 = time.perf_counter()
+            self.outer_comm_s += self.outer_comm.wait() or 0.0
+            self.outer_wait_s += time.perf_counter() - t0
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()  # settled: an in-flight average is saved as received, applied at the next sync
+        sd.update(start=[t.clone() for t in self.start], in_flight=[t.clone() for t in self.in_flight])
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd) -> None:
+        super().load_state_dict(sd)
+        for mine, saved in ((self.start, sd["start"]), (self.in_flight, sd["in_flight"])):
+            for dst, src in zip(mine, saved):
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        super().restart()
+        for dst, src in zip(self.start, self.shards.masters):
+            dst.copy_(src)
+        for buf in self.in_flight:
+            buf.zero_()
+
+
+__all__ = ["CO2"]
