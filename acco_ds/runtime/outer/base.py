@@ -8,8 +8,9 @@ step runs there on fp32 shards, so the anchor ``x`` (the last global model)
 and the outer momentum ``m`` are sharded like the master weights.
 
 ``LocalSGD`` owns what every mode shares: the anchor and momentum, the period
-schedule (``algorithms.periods``), the average over the outer group (full
-precision or quantized, ``comm.compression``), the outer update
+schedule (``algorithms.periods``), the average over the replicas (through a
+``transport``: the outer process group, full precision or quantized, or torchft's
+Manager when replicas come and go), the outer update
 (``outer.update.outer_step``), the install of new weights into the replica,
 the committed view, the state a checkpoint holds and the figures. Each mode is
 a subclass that holds only its own rule (``_sync``, and what it keeps in
@@ -17,7 +18,6 @@ flight): ``diloco.DiLoCo``, ``co2.CO2``, ``edit.EDiT``,
 ``streaming.StreamingDiLoCo``.
 """
 
-import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -29,6 +29,7 @@ from ..comm.compression import OuterCompression, load_outer_residuals
 from ..comm.worker import CommWorker
 from . import words
 from .interface import OuterLoop, ReplicaGroups, Shards
+from .transport import GroupTransport
 from .update import outer_step
 
 
@@ -54,19 +55,31 @@ class LocalSGD(OuterLoop):
         self.schedule = PeriodSchedule(acco.mode, None if self.local.sync_time_s else self.local.sync_every)
         self.anchor = [m.detach().clone() for m in shards.masters]  # every replica starts at θ0 (broadcast)
         self.momentum = [torch.zeros_like(m) for m in shards.masters]
-        self.outer_comm = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side) \
+        worker = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side) \
             if self.overlapped else None
         # Quantized outer all-reduce with error feedback across periods (None: full precision).
         crosses = spans_nodes(groups.outer_ranks, acco, tdist.get_world_size())
         self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses)
+        self.transport = GroupTransport(groups, self.compression, worker)
         self.outer_comm_s = 0.0  # seconds the outer all-reduces took
         self.outer_wait_s = 0.0  # seconds the compute side waited for them
-        self.outer_bytes = 0  # bytes this rank handed to outer all-reduces (payload; the wire adds framing)
+        self.healed = False  # this sync's quorum gave this replica a peer's state
+
+    @property
+    def outer_comm(self) -> Optional[CommWorker]:
+        """The outer communication thread (None: the loop's syncs block)."""
+        return self.transport.worker
+
+    @property
+    def outer_bytes(self) -> int:
+        """Bytes this rank handed to outer all-reduces (payload; the wire adds framing)."""
+        return self.transport.bytes
 
     # ------------------------------------------------------------- sync points
     @property
     def syncs(self) -> int:
-        return self.schedule.period
+        committed = self.transport.committed  # a fault-tolerant transport counts the syncs that committed
+        return self.schedule.period if committed is None else committed
 
     def after_inner_step(self) -> None:
         sync = self.schedule.after_inner_step(self.time_up())
@@ -106,25 +119,40 @@ class LocalSGD(OuterLoop):
         outer_step(x, m, mean_delta, lr=st["outer_lr"], momentum=st["outer_momentum"], nesterov=st["nesterov"],
                    staleness_penalty=st["staleness_penalty"], momentum_clip=st["outer_momentum_clip"])
 
-    def _average(self, tensors, group, keys=None) -> float:
-        """Average ``tensors`` in place across the replicas (the outer group); returns the seconds it took.
-        ``keys``: per tensor, whose error-feedback residual a compressed all-reduce uses (default: its index)."""
-        start = time.perf_counter()
-        for i, t in enumerate(tensors):
-            if self.compression is not None:
-                key = keys[i] if keys is not None else (i, 0)
-                self.outer_bytes += self.compression.all_reduce(t, key, group, divide_by=self.groups.replicas)
-                continue
-            self.outer_bytes += t.numel() * t.element_size()
-            tdist.all_reduce(t, group=group)
-            t.div_(self.groups.replicas)
-        return time.perf_counter() - start
-
-    def _blocking_average(self, tensors) -> None:
-        """Average on the main thread; the compute side waits for all of it."""
-        seconds = self._average(tensors, self.groups.outer_main)
+    def _average(self, tensors, keys=None) -> None:
+        """Average ``tensors`` in place across the replicas on the main thread; the compute side waits for all
+        of it. ``keys``: per tensor, whose error-feedback residual a compressed all-reduce uses."""
+        seconds = self.transport.average(tensors, keys, self.merge_weight())
         self.outer_comm_s += seconds
         self.outer_wait_s += seconds
+
+    def _blocking_sync(self) -> bool:
+        """The blocking sync (diloco; edit when replicas come and go): ``δ = x − θ`` averaged, one outer step,
+        every replica on the new anchor. Returns whether it committed (otherwise nothing changes: the replica
+        goes on where it stands, its progress goes into the next sync)."""
+        self.begin_sync()
+        deltas = [x - m for x, m in zip(self.anchor, self.shards.masters)]  # δ = start − end of the period
+        self._average(deltas)
+        if not self.transport.commit():
+            return False
+        self._outer(self.scale_mean(deltas))
+        self._install(self.anchor)
+        return True
+
+    def begin_sync(self) -> None:
+        """A sync starts (``transport.begin``). A replica that just took its peer's state (``healed``) stands
+        at the anchor: its masters are installed into its weights, and it contributes nothing to this sync."""
+        self.healed = self.transport.begin()
+        if self.healed:
+            self._install(self.shards.masters)
+
+    def merge_weight(self) -> float:
+        """This replica's weight in the average (the fixed fleet weighs every replica alike)."""
+        return 1.0
+
+    def scale_mean(self, mean_deltas):
+        """The averaged pseudo-gradient the outer step uses (EDiT clips it)."""
+        return mean_deltas
 
     def _install(self, shards) -> None:
         """Master shards ← ``shards``; the replica's bit16 weights ← their all-gather (a host without flats,
@@ -212,8 +240,7 @@ class LocalSGD(OuterLoop):
         self.schedule.restart()
 
     def close(self) -> None:
-        if self.outer_comm is not None:
-            self.outer_comm.close()
+        self.transport.close()
 
 
 __all__ = ["LocalSGD"]

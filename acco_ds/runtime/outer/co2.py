@@ -30,6 +30,9 @@ class CO2(LocalSGD):
         super().__init__(acco, shards, groups)
         self.start = [m.detach().clone() for m in shards.masters]
         self.in_flight = [torch.zeros_like(m) for m in shards.masters]
+        # What this replica sent, kept where a sync can be discarded (replicas that come and go): a discarded
+        # mean leaves the period's progress to be sent again.
+        self.sent = [torch.zeros_like(m) for m in shards.masters] if self.transport.fault_tolerant else None
 
     @torch.no_grad()
     def _sync(self, sync) -> None:
@@ -37,16 +40,29 @@ class CO2(LocalSGD):
         deltas = [s - m for s, m in zip(self.start, masters)]  # δ = start − end of the period
         if sync.wait_previous:
             self.settle()
-            self._outer(self.in_flight)
+            if self.transport.commit():
+                self._outer(self.in_flight)
+            else:  # the mean was discarded: this replica's progress of that period is sent again with this one
+                for d, sent in zip(deltas, self.sent):
+                    d.add_(sent)
+        if sync.blocking or sync.send:
+            self.begin_sync()
+            if self.healed:  # this replica just took a peer's state: it stands at the anchor, nothing to send
+                for d in deltas:
+                    d.zero_()
         if sync.blocking:  # the last sync of a run: average this period at once
-            self._blocking_average(deltas)
-            self._outer(deltas)
+            self._average(deltas)
+            if self.transport.commit():
+                self._outer(deltas)
             new = self.anchor
         elif sync.send:  # jump to the new global model plus this replica's own progress, send that progress
             new = [x - d for x, d in zip(self.anchor, deltas)]
             for buf, d in zip(self.in_flight, deltas):
                 buf.copy_(d)
-            self.outer_comm.submit(lambda: self._average(self.in_flight, self.groups.outer_side))
+            if self.sent is not None:
+                for buf, d in zip(self.sent, deltas):
+                    buf.copy_(d)
+            self.transport.average_async(self.in_flight, weight=self.merge_weight())
         else:  # the last sync with no inner step since the previous one: every replica takes the anchor
             new = self.anchor
         for s, n in zip(self.start, new):
@@ -55,9 +71,9 @@ class CO2(LocalSGD):
 
     def settle(self) -> None:
         """Wait for the in-flight average (it arrives in ``in_flight``)."""
-        if self.outer_comm.busy:
+        if self.transport.busy:
             t0 = time.perf_counter()
-            self.outer_comm_s += self.outer_comm.wait() or 0.0
+            self.outer_comm_s += self.transport.collect()
             self.outer_wait_s += time.perf_counter() - t0
 
     def state_dict(self) -> dict:

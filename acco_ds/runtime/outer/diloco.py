@@ -27,10 +27,7 @@ class DiLoCo(LocalSGD):
 
     @torch.no_grad()
     def _sync(self, sync) -> None:
-        deltas = [x - m for x, m in zip(self.anchor, self.shards.masters)]  # δ = start − end of the period
-        self._blocking_average(deltas)
-        self._outer(deltas)
-        self._install(self.anchor)
+        self._blocking_sync()
 
     def check_kind(self, sd: dict) -> None:
         streaming = sd.get("streaming")

@@ -90,7 +90,7 @@ class EDiT(LocalSGD):
             self.outer_comm_s += info["seconds"]
             self.outer_wait_s += time.perf_counter() - t0 + self.sync.gate.waited_s
         self.sync.gate.waited_s = 0.0
-        self.outer_bytes += info["bytes"]
+        self.transport.bytes += info["bytes"]
         self.sync.record(info)
         if self.timed:  # the next period started when the last replica arrived
             waited = max(info["elapsed"]) - info["elapsed"][self.groups.replica]

@@ -117,34 +117,31 @@ class StreamingDiLoCo(DiLoCo):
         if not parts:  # this shard holds none of the fragment: nor does any rank of its outer group
             return
         key = [("fragment", f)]  # its own error-feedback residual under compression
-
-        def job(group):  # only one all-reduce runs at a time, so the byte count's change is this one's
-            before = self.outer_bytes
-            seconds = self._average([delta], group, key)
-            self.fragment_bytes[f] += self.outer_bytes - before
-            return seconds
-
         if self.tau == 0:
-            seconds = job(self.groups.outer_main)
-            self._count(f, seconds, seconds)
+            before = self.outer_bytes
+            seconds = self.transport.average([delta], key, self.merge_weight())
+            self._count(f, seconds, seconds, self.outer_bytes - before)
             self.pending["received"] = True
         else:
-            self.outer_comm.submit(lambda: job(self.groups.outer_side))
+            self.pending["bytes_before"] = self.outer_bytes
+            self.transport.average_async([delta], key, self.merge_weight())
 
     def _receive(self) -> None:
         """Wait for the prepared fragment's mean (the compute side's wait is counted)."""
         if self.pending is None or self.pending["received"]:
             return
         t0 = time.perf_counter()
-        seconds = self.outer_comm.wait() or 0.0
-        self._count(self.pending["fragment"], seconds, time.perf_counter() - t0)
+        seconds = self.transport.collect()
+        self._count(self.pending["fragment"], seconds, time.perf_counter() - t0,
+                    self.outer_bytes - self.pending.pop("bytes_before"))
         self.pending["received"] = True
 
-    def _count(self, f: int, comm_s: float, wait_s: float) -> None:
-        """Fragment ``f``'s all-reduce took ``comm_s``, the compute side waited ``wait_s`` (both also in the
-        loop's totals)."""
+    def _count(self, f: int, comm_s: float, wait_s: float, sent: int) -> None:
+        """Fragment ``f``'s all-reduce took ``comm_s`` and sent ``sent`` bytes, the compute side waited
+        ``wait_s`` (the times also in the loop's totals)."""
         self.fragment_comm_s[f] += comm_s
         self.fragment_wait_s[f] += wait_s
+        self.fragment_bytes[f] += sent
         self.outer_comm_s += comm_s
         self.outer_wait_s += wait_s
 
