@@ -9,7 +9,6 @@ pydantic 2 with ``DeepSpeedConfigModel``'s settings (unknown keys rejected), one
 documented field per key. It imports no DeepSpeed: the torch host reads the same block.
 """
 
-import typing
 from typing import Literal, Optional
 
 import torch
@@ -17,8 +16,9 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError, model_valida
 
 from .config_local import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, ACCOEmulationConfig,
                            AnomalyConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig, _Documented,
-                           ranks_per_node)
+                           collectives_problems, ranks_per_node, unknown_keys)
 from .config_local import collectives_layout  # noqa: F401 - re-exported (acco_ds.config is the config's face)
+from .config_ft import FaultToleranceConfig
 
 ACCO_KEY = "acco"
 
@@ -82,6 +82,9 @@ class ACCOConfig(_Documented):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """Quantized communication with error feedback (off by default): see ``CompressionConfig``."""
 
+    fault_tolerance: Optional[FaultToleranceConfig] = None
+    """Replicas that come and go (local-SGD modes, torchft): see ``FaultToleranceConfig``."""
+
     emulation: ACCOEmulationConfig = Field(default_factory=ACCOEmulationConfig)
     """Benchmark/test only: see ``ACCOEmulationConfig``."""
 
@@ -130,6 +133,8 @@ class ACCOConfig(_Documented):
     @model_validator(mode="after")
     def _check_compression(self):
         self.compression.check(self.mode, self.local)
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.check(self)
         return self
 
     @model_validator(mode="after")
@@ -156,22 +161,6 @@ class ACCOConfig(_Documented):
         return self.max_micro_batches_per_round or 4 * low
 
 
-def _unknown_keys(model, block: dict, prefix: str) -> list:
-    """One message per key of ``block`` (and of its nested config objects) that ``model`` does not know."""
-    lines = []
-    for key, value in block.items():
-        field = model.model_fields.get(key) if isinstance(key, str) else None
-        if field is None:
-            known = ", ".join(model.model_fields)
-            lines.append(f'unknown key "{prefix}.{key}" (misspelled?). Known keys: {known}')
-        elif isinstance(value, dict):
-            nested = [t for t in (field.annotation, *typing.get_args(field.annotation))
-                      if isinstance(t, type) and issubclass(t, _Documented)]
-            if nested:
-                lines += _unknown_keys(nested[0], value, f"{prefix}.{key}")
-    return lines
-
-
 def parse_acco_config(ds_config: dict) -> ACCOConfig:
     """Read the ``"acco"`` block of a DeepSpeed config dict (absent: disabled).
 
@@ -185,7 +174,7 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
                          f'{{"enabled": true, "mode": "acco"}}, got {type(block).__name__}: {block!r}')
     # Unknown keys are found here, not by pydantic alone, so that every unknown key of every nested block
     # is named in one error, and a non-string key does not raise TypeError.
-    unknown = _unknown_keys(ACCOConfig, block, "acco")
+    unknown = unknown_keys(ACCOConfig, block, "acco")
     if unknown:
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(unknown))
     try:
@@ -282,30 +271,25 @@ def host_problems(acco: ACCOConfig, gas: int, dp_world_size: int, world_size: in
                             f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
     if acco.local:
         problems += _replica_problems(acco, dp_world_size)
-    return problems + _collectives_problems(acco, world_size)
-
-
-def _collectives_problems(acco: ACCOConfig, world_size: int) -> list:
-    n = ranks_per_node(acco, world_size)
-    how = "acco.collectives.ranks_per_node" + ("" if acco.collectives.ranks_per_node else
-                                               ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE)')
-    if world_size % n:
-        return [f"{how} is {n}, which does not divide the world size {world_size}: set "
-                f"acco.collectives.ranks_per_node to the ranks on each node (a divisor of {world_size})"]
-    if acco.collectives.layout == "hierarchical" and not 1 < n < world_size:
-        return [f'acco.collectives.layout="hierarchical" needs more than one node of more than one rank, but '
-                f"{how} is {n} on {world_size} ranks ({world_size // n} node(s) of {n}): set "
-                f'acco.collectives.ranks_per_node, or layout "auto" or "flat"']
-    return []
+    return problems + collectives_problems(acco, world_size)
 
 
 def replica_group_size(acco: ACCOConfig, world_size: int) -> int:
-    """k: the configured ``replica_group_size``, or the ranks per node (``ranks_per_node``)."""
+    """k: the configured ``replica_group_size``, or the ranks per node (``ranks_per_node``); with
+    ``fault_tolerance`` one launch is one replica: its whole data-parallel world."""
     k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
+    if acco.fault_tolerance is not None:
+        return world_size
     return int(k) if k is not None else ranks_per_node(acco, world_size)
 
 
 def _replica_problems(acco: ACCOConfig, world_size: int) -> list:
+    k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
+    if acco.fault_tolerance is not None:  # one launch, one replica
+        return [] if k in (None, world_size) else [
+            f"acco.local_sgd.replica_group_size is {k} but with acco.fault_tolerance one launch is one replica, "
+            f"of all its {world_size} data-parallel rank(s): remove replica_group_size (or set it to {world_size}) "
+            f"and start one launch per replica"]
     k = replica_group_size(acco, world_size)
     how = "acco.local_sgd.replica_group_size" + ("" if acco.local_sgd and acco.local_sgd.replica_group_size else
                                                  ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE, the ranks per node)')

@@ -6,6 +6,7 @@ Kept apart from ``acco_ds.config`` (which re-exports every name here) so each mo
 ``ACCOConfig``'s validators check how these keys combine with ``acco.mode``.
 """
 
+import typing
 from typing import List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -252,6 +253,37 @@ def collectives_layout(acco, world_size: int) -> str:
     return "hierarchical" if 1 < n < world_size and world_size % n == 0 else "flat"
 
 
+def unknown_keys(model, block: dict, prefix: str) -> list:
+    """One message per key of ``block`` (and of its nested config objects) that ``model`` does not know."""
+    lines = []
+    for key, value in block.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            known = ", ".join(model.model_fields)
+            lines.append(f'unknown key "{prefix}.{key}" (misspelled?). Known keys: {known}')
+        elif isinstance(value, dict):
+            nested = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, _Documented)]
+            if nested:
+                lines += unknown_keys(nested[0], value, f"{prefix}.{key}")
+    return lines
+
+
+def collectives_problems(acco, world_size: int) -> list:
+    """What is wrong with ``acco.collectives`` on ``world_size`` ranks (one message per problem, naming the fix)."""
+    n = ranks_per_node(acco, world_size)
+    how = "acco.collectives.ranks_per_node" + ("" if acco.collectives.ranks_per_node else
+                                               ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE)')
+    if world_size % n:
+        return [f"{how} is {n}, which does not divide the world size {world_size}: set "
+                f"acco.collectives.ranks_per_node to the ranks on each node (a divisor of {world_size})"]
+    if acco.collectives.layout == "hierarchical" and not 1 < n < world_size:
+        return [f'acco.collectives.layout="hierarchical" needs more than one node of more than one rank, but '
+                f"{how} is {n} on {world_size} ranks ({world_size // n} node(s) of {n}): set "
+                f'acco.collectives.ranks_per_node, or layout "auto" or "flat"']
+    return []
+
+
 __all__ = ["LocalSGDConfig", "AnomalyConfig", "CollectivesConfig", "CompressionConfig", "ACCOEmulationConfig",
            "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "STREAMING", "ranks_per_node", "spans_nodes",
-           "collectives_layout"]
+           "collectives_layout", "collectives_problems", "unknown_keys"]

@@ -194,7 +194,8 @@ def _block_with(path: str, value) -> dict:
     """An "acco" block whose key ``path`` is ``value``, in a mode where that key applies."""
     parts = path.split(".")[1:]
     streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
-    mode = ("diloco" if streaming else "edit") if parts[0] == "local_sgd" else "acco"
+    mode = ("diloco" if streaming else "edit") if parts[0] == "local_sgd" else \
+        "diloco" if parts[0] == "fault_tolerance" else "acco"
     block = {"enabled": True, "mode": mode}
     if parts[-1] == "fragments":
         block["local_sgd"] = {"sync_every": 16}  # a multiple of the values tried

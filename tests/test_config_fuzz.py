@@ -16,6 +16,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
                             check_deepspeed_config, parse_acco_config)
+from acco_ds.config_ft import FaultToleranceConfig
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
@@ -25,6 +26,7 @@ KNOWN_EMULATION = set(ACCOEmulationConfig.model_fields)
 KNOWN_LOCAL = set(LocalSGDConfig.model_fields)
 KNOWN_COLLECTIVES = set(CollectivesConfig.model_fields)
 KNOWN_COMPRESSION = set(CompressionConfig.model_fields)
+KNOWN_FT = set(FaultToleranceConfig.model_fields)
 # Misspellings, and names that are special to pydantic or DeepSpeedConfigModel.__init__(strict=...).
 TRICKY_KEYS = ["enabld", "Enabled", "mode ", "modes", "accumulate", "kernel", "timeout", "max_micro_batches",
                "emulations", "strict", "self", "model_config", "model_fields", "__class__", "data", "replace_method",
@@ -49,6 +51,9 @@ compression_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_COMPRESSION) +
                                      st.one_of(st.sampled_from(["int8", "fp8", "fp32", "bf16", "int4"]),
                                                st.lists(st.sampled_from(["rounds", "outer", "grads"]), max_size=3),
                                                st.integers(-2, 600), st.booleans(), values), max_size=4)
+ft_blocks = st.dictionaries(st.sampled_from(sorted(KNOWN_FT) + ["min_replica", "auto"]),
+                            st.one_of(st.sampled_from(["mean", "tokens", "sum", "rep_1", "http://localhost:1"]),
+                                      st.integers(-2, 5), st.floats(-1, 100), values), max_size=4)
 acco_values = {
     "enabled": st.one_of(st.booleans(), values),
     "mode": st.one_of(st.sampled_from(["acco", "dpu", "sync", "diloco", "co2"]), values),
@@ -60,6 +65,7 @@ acco_values = {
     "emulation": st.one_of(emulation_blocks, values),
     "collectives": st.one_of(collectives_blocks, values),
     "compression": st.one_of(compression_blocks, values),
+    "fault_tolerance": st.one_of(st.none(), ft_blocks, values),
 }
 
 
@@ -82,9 +88,11 @@ def check_parse(block):
     """parse_acco_config on one block: the config, or None after checking its ValueError."""
     unknown = [f"acco.{k}" for k in block if k not in KNOWN]
     emulation, local, coll = block.get("emulation"), block.get("local_sgd"), block.get("collectives")
-    comp = block.get("compression")
+    comp, ft = block.get("compression"), block.get("fault_tolerance")
     if isinstance(comp, dict):
         unknown += [f"acco.compression.{k}" for k in comp if k not in KNOWN_COMPRESSION]
+    if isinstance(ft, dict):
+        unknown += [f"acco.fault_tolerance.{k}" for k in ft if k not in KNOWN_FT]
     if isinstance(emulation, dict):
         unknown += [f"acco.emulation.{k}" for k in emulation if k not in KNOWN_EMULATION]
     if isinstance(coll, dict):
@@ -102,7 +110,8 @@ def check_parse(block):
                 emulation if isinstance(emulation, dict) else {})] + [f"acco.local_sgd.{k}" for k in (
                     local if isinstance(local, dict) else {})] + [f"acco.collectives.{k}" for k in (
                         coll if isinstance(coll, dict) else {})] + [f"acco.compression.{k}" for k in (
-                            comp if isinstance(comp, dict) else {})]
+                            comp if isinstance(comp, dict) else {})] + [f"acco.fault_tolerance.{k}" for k in (
+                                ft if isinstance(ft, dict) else {})]
             assert any(named(message, p) for p in paths), message
         return None
     assert not unknown, f"unknown keys accepted: {unknown}"
@@ -126,6 +135,9 @@ def check_parse(block):
     assert c.dtype in (None, "int8", "fp8") and type(c.block_size) is int and c.block_size >= 8
     assert c.enabled or not (set(comp) - {"dtype"} if isinstance(comp, dict) else False), "a key without dtype"
     assert c.apply_to is None or (c.apply_to and set(c.apply_to) <= {"rounds", "outer"})
+    f = cfg.fault_tolerance
+    assert f is None or (cfg.local and f.min_replicas >= 1 and f.merge in ("mean", "tokens")
+                         and f.timeout_s > 0 and f.quorum_timeout_s > 0), "a fault_tolerance block accepted wrongly"
     n = cfg.collectives.ranks_per_node
     assert n is None or (type(n) is int and n >= 1)
     em = cfg.emulation

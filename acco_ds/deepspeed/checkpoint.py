@@ -9,6 +9,7 @@ here: the errors of failed saves and loads, and A-EDiT's per-replica counters.
 """
 
 import contextlib
+import copy
 import os
 import re
 import shutil
@@ -103,11 +104,24 @@ def save_own_counters(engine, args, kwargs) -> None:
         steps = torch.tensor([engine.global_steps], dtype=torch.int64, device=engine.optimizer.device)
         tdist.all_reduce(steps, op=tdist.ReduceOp.MAX)
         kwargs["tag"] = f"global_step{int(steps.item())}"
+    engine.optimizer.host_counters = own_counters(engine)
+
+
+def own_counters(engine) -> dict:
+    """This rank's step counters and LR schedule (a copy): A-EDiT's checkpoints, and what a replica that
+    heals from this one takes (``acco.fault_tolerance``)."""
     sched = engine.lr_scheduler
-    engine.optimizer.host_counters = {
+    return copy.deepcopy({
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps,
-        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None}
+        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None})
+
+
+def apply_own_counters(engine, saved: dict) -> None:
+    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
+    engine.skipped_steps = saved["skipped_steps"]
+    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def load_own_counters(engine) -> None:
@@ -115,11 +129,8 @@ def load_own_counters(engine) -> None:
     saved = engine.optimizer.host_counters
     if saved is None or not engine.optimizer.outer.per_replica_counters:
         return
-    engine.global_steps, engine.global_samples = saved["global_steps"], saved["global_samples"]
-    engine.skipped_steps = saved["skipped_steps"]
-    if saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    apply_own_counters(engine, saved)
 
 
 __all__ = ["ACCO_STATE_KEY", "save_state", "find_state", "check_state", "load_state", "save_errors", "load_errors",
-           "save_own_counters", "load_own_counters"]
+           "save_own_counters", "load_own_counters", "own_counters", "apply_own_counters"]

@@ -41,7 +41,7 @@ from . import checkpoint
 from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
                      logger)
 from .compat import comm as dist
-from ..runtime.rounds.stats import banner, report_lines
+from ..runtime.rounds.stats import banner, report_lines, round_stats
 from .progress import _report_commit, _say
 from .zero1 import ACCOZeroOptimizer
 
@@ -79,7 +79,11 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         # The module's state_dict() (save_pretrained, Accelerate's get_state_dict) sees committed weights.
         self.module.register_state_dict_pre_hook(lambda *_: self._acco_show_committed())
         self.module.register_state_dict_post_hook(lambda *_: opt.view.restore(all_levels=False))
+        # A replica that heals from this one (acco.fault_tolerance) takes this rank's counters and LR schedule.
+        opt.counters, opt.load_counters = (lambda: checkpoint.own_counters(self),
+                                           lambda saved: checkpoint.apply_own_counters(self, saved))
         _say(banner(acco, opt))
+        opt.outer.join()  # replicas that come and go join the others here, before the first inner step
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
@@ -192,7 +196,7 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
     def acco_stats(self) -> dict:
         """Per-round figures (micro-batches, compute, communication, waiting, the fraction hidden, the last
         rounds), the outer loop's figures, and the engine's counters."""
-        s = self.optimizer.round_stats()
+        s = round_stats(self.optimizer)
         s.update(global_steps=self.global_steps, global_samples=self.global_samples, skipped_steps=self.skipped_steps)
         return s
 

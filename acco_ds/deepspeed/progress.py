@@ -5,7 +5,7 @@ events. The round modes describe their rounds; a mode with an outer loop is desc
 import torch.distributed as tdist
 
 from ..runtime.rounds.job import CommResult
-from ..runtime.rounds.stats import round_words
+from ..runtime.rounds.stats import round_stats, round_words
 
 
 def _report_commit(engine, result: CommResult) -> None:
@@ -13,9 +13,9 @@ def _report_commit(engine, result: CommResult) -> None:
     opt = engine.optimizer
     if engine.steps_per_print() and engine.global_steps % engine.steps_per_print() == 0:
         engine._report_progress(engine.global_steps)
-        _say(f"ACCO step={engine.global_steps}: {opt.outer.progress() or round_words(opt.round_stats())}")
+        _say(f"ACCO step={engine.global_steps}: {opt.outer.progress() or round_words(round_stats(opt))}")
     if engine.monitor.enabled and engine.global_rank == 0:
-        s = opt.round_stats()
+        s = round_stats(opt)
         events = [("Train/Samples/acco_global_micro_batches", result.global_micro, engine.global_samples),
                   ("Train/Samples/acco_comm_s", result.comm_s, engine.global_samples),
                   ("Train/Samples/acco_wait_s_total", s["wait_s"], engine.global_samples)]

@@ -21,6 +21,7 @@ returns copies of them, and ``eval()`` forward passes run on them.
 """
 
 import contextlib
+import copy
 from typing import List
 
 import torch
@@ -55,8 +56,9 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
         self.locals = [p.to_local().detach().view(-1) for p in params]
         for t in self.locals:  # every replica starts from replica 0's weights
             tdist.broadcast(t, src=groups.outer_ranks[0], group=groups.outer_main)
-        self.outer = build_outer_loop(self.acco, Shards(self.locals, None, lambda: None, [[(p, 0)] for p in params]),
-                                      groups)
+        shards = Shards(self.locals, None, lambda: None, [[(p, 0)] for p in params], host_state=self._heal_state,
+                        load_host_state=self._load_heal_state)
+        self.outer = build_outer_loop(self.acco, shards, groups)
         self.global_steps = 0
         self.skipped_steps = 0
         self._saved = None  # the compute shards while the committed ones are shown
@@ -70,6 +72,7 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
         if tdist.get_rank() == 0:
             print(f"[acco_ds] acco_ds.torch (FSDP2): mode={self.acco.mode} {self.outer.banner()} "
                   f"inner=FSDP2 step over {groups.k} ranks", flush=True)
+        self.outer.join()  # replicas that come and go (acco.fault_tolerance) join the others here
 
     # ------------------------------------------------------------ the loop
     def step(self, closure=None):
@@ -160,8 +163,7 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
         the outer loop's state and the counters (one file per rank)."""
         self._restore()
         self.outer.before_read()
-        inner = self.inner.state_dict()
-        inner["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in inner["state"].items()}
+        inner = self._inner_state()
         return {"format": FORMAT, "world_size": tdist.get_world_size(), "rank": tdist.get_rank(),
                 "shards": [t.clone() for t in self.locals], "inner": inner, "outer": self.outer.state_dict(),
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps}
@@ -180,7 +182,18 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
         for dst, src in zip(self.locals, state_dict["shards"]):
             dst.copy_(src)
         self.outer.load_state_dict(outer)  # after the shards, as it reads them; refuses another replica layout
-        inner = dict(state_dict["inner"])
+        self._load_inner(state_dict["inner"])
+        self.global_steps, self.skipped_steps = state_dict["global_steps"], state_dict["skipped_steps"]
+        _reshard(self.module)
+
+    def _inner_state(self) -> dict:
+        """The inner optimizer's state with each DTensor as its local tensor (this rank's piece)."""
+        inner = self.inner.state_dict()
+        inner["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in inner["state"].items()}
+        return inner
+
+    def _load_inner(self, saved: dict) -> None:
+        inner = dict(saved)
         inner["state"] = {i: {k: _distributed(v, self.params[int(i)]) for k, v in s.items()}
                           for i, s in inner["state"].items()}
         groups = self.param_groups
@@ -188,8 +201,16 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
         for mine, loaded in zip(groups, self.inner.param_groups):
             mine.update(loaded)
         self.inner.param_groups, self.state = groups, self.inner.state
-        self.global_steps, self.skipped_steps = state_dict["global_steps"], state_dict["skipped_steps"]
-        _reshard(self.module)
+
+    def _heal_state(self) -> dict:
+        """What a replica that heals from this one takes from this rank (``acco.fault_tolerance``): copies of
+        the inner optimizer's state over this rank's shards and the counters."""
+        return copy.deepcopy({"inner": self._inner_state(), "global_steps": self.global_steps,
+                              "skipped_steps": self.skipped_steps})
+
+    def _load_heal_state(self, state: dict) -> None:
+        self._load_inner(state["inner"])
+        self.global_steps, self.skipped_steps = state["global_steps"], state["skipped_steps"]
 
     def weights_changed(self) -> None:
         """The module's weights were replaced: the outer loop starts over from them."""

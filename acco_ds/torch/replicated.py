@@ -35,7 +35,7 @@ from ..runtime.rounds.driver import RoundDriver
 from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
 from ..runtime.rounds.job import CommResult
 from ..runtime.rounds.state import check_state, load_state, save_state
-from ..runtime.rounds.stats import banner, report_lines
+from ..runtime.rounds.stats import banner, report_lines, round_stats
 from .settings import HostSettings
 
 FORMAT = "acco_ds.torch/replicated/1"
@@ -109,8 +109,14 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
         ]
         if tdist.get_rank() == 0:
             print(f"[acco_ds] {banner(acco, self, host='acco_ds.torch')}", flush=True)
+        self.outer.join()  # replicas that come and go (acco.fault_tolerance) join the others here
 
     # ----------------------------------------------------- the driver's hooks
+    def counters(self) -> dict:
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps}
+
+    def load_counters(self, counters: dict) -> None:
+        self.global_steps, self.skipped_steps = counters["global_steps"], counters["skipped_steps"]
     def _accumulate(self, group: int, offset: int, param: torch.Tensor) -> None:
         super()._accumulate(group, offset, param)
         if not self._callback_queued:  # count the micro-batch once this backward has finished
@@ -243,7 +249,7 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
 
     # -------------------------------------------------------- observability
     def acco_stats(self) -> dict:
-        return dict(self.round_stats(), global_steps=self.global_steps, skipped_steps=self.skipped_steps)
+        return dict(round_stats(self), global_steps=self.global_steps, skipped_steps=self.skipped_steps)
 
     def acco_report(self) -> list:
         """The mode's lines of a run summary, ``(label, text)`` pairs."""

@@ -28,12 +28,13 @@ from ..comm import collectives
 from ..comm.compression import OuterCompression, load_outer_residuals
 from ..comm.worker import CommWorker
 from . import words
+from .fault_tolerance import JoinsAndHeals
 from .interface import OuterLoop, ReplicaGroups, Shards
 from .transport import GroupTransport
 from .update import outer_step
 
 
-class LocalSGD(OuterLoop):
+class LocalSGD(JoinsAndHeals, OuterLoop):
     """Anchor, outer momentum and the sync points of one rank's shard; a subclass implements ``_sync``.
 
     Args:
@@ -55,15 +56,21 @@ class LocalSGD(OuterLoop):
         self.schedule = PeriodSchedule(acco.mode, None if self.local.sync_time_s else self.local.sync_every)
         self.anchor = [m.detach().clone() for m in shards.masters]  # every replica starts at θ0 (broadcast)
         self.momentum = [torch.zeros_like(m) for m in shards.masters]
-        worker = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side) \
-            if self.overlapped else None
         # Quantized outer all-reduce with error feedback across periods (None: full precision).
         crosses = spans_nodes(groups.outer_ranks, acco, tdist.get_world_size())
         self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses)
-        self.transport = GroupTransport(groups, self.compression, worker)
+        self.fault_tolerance = acco.fault_tolerance
+        if self.fault_tolerance is not None:  # replicas that come and go: the outer group is torchft's
+            from .fault_tolerance import TorchFTTransport
+            self.transport = TorchFTTransport(self.fault_tolerance, groups, self.heal_state, self.heal_load)
+        else:
+            worker = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side) \
+                if self.overlapped else None
+            self.transport = GroupTransport(groups, self.compression, worker)
         self.outer_comm_s = 0.0  # seconds the outer all-reduces took
         self.outer_wait_s = 0.0  # seconds the compute side waited for them
         self.healed = False  # this sync's quorum gave this replica a peer's state
+        self.unsent_steps = 0  # inner steps whose progress no committed (or in-flight) sync holds yet
 
     @property
     def outer_comm(self) -> Optional[CommWorker]:
@@ -82,6 +89,7 @@ class LocalSGD(OuterLoop):
         return self.schedule.period if committed is None else committed
 
     def after_inner_step(self) -> None:
+        self.unsent_steps += 1
         sync = self.schedule.after_inner_step(self.time_up())
         if sync is not None:
             self._sync(sync)
@@ -137,18 +145,33 @@ class LocalSGD(OuterLoop):
             return False
         self._outer(self.scale_mean(deltas))
         self._install(self.anchor)
+        self.unsent_steps = 0
         return True
 
     def begin_sync(self) -> None:
         """A sync starts (``transport.begin``). A replica that just took its peer's state (``healed``) stands
         at the anchor: its masters are installed into its weights, and it contributes nothing to this sync."""
-        self.healed = self.transport.begin()
-        if self.healed:
+        healed = self.transport.begin()
+        if self.transport.fault_tolerant and self.groups.k > 1:  # torchft picks a heal source per rank: agree
+            t = torch.tensor([float(healed)], device=self.shards.device)
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.groups.replica_main)
+            healed = bool(t.item())
+        self.healed = healed
+        if healed:
+            for master, x in zip(self.shards.masters, self.anchor):
+                master.copy_(x)
             self._install(self.shards.masters)
 
     def merge_weight(self) -> float:
-        """This replica's weight in the average (the fixed fleet weighs every replica alike)."""
-        return 1.0
+        """This replica's weight in the average: 1 in a fixed fleet. With replicas that come and go: 0 for a
+        replica that just healed (it trained nothing on the model it holds), else 1 (merge "mean") or its inner
+        steps not yet in a committed sync (merge "tokens")."""
+        ft = self.fault_tolerance
+        if ft is None:
+            return 1.0
+        if self.healed:
+            return 0.0
+        return float(self.unsent_steps) if ft.merge == "tokens" else 1.0
 
     def scale_mean(self, mean_deltas):
         """The averaged pseudo-gradient the outer step uses (EDiT clips it)."""
@@ -185,7 +208,7 @@ class LocalSGD(OuterLoop):
     def stats(self) -> dict:
         """Syncs done, and how much of the outer communication the compute side waited for."""
         comm, wait = self.outer_comm_s, self.outer_wait_s
-        return {"syncs": self.syncs, "sync_every": self.schedule.sync_every, "replicas": self.groups.replicas,
+        return {**self.transport.stats(), "syncs": self.syncs, "sync_every": self.schedule.sync_every, "replicas": self.groups.replicas,
                 "replica_group_size": self.groups.k, "outer_comm_s": comm, "outer_wait_s": wait,
                 "outer_bytes": self.outer_bytes, "sync_time_s": self.local.sync_time_s,
                 "outer_compression": None if self.compression is None else str(self.compression.codec),
@@ -203,6 +226,7 @@ class LocalSGD(OuterLoop):
         """The shard's outer state; a subclass adds what it keeps in flight (saved as received)."""
         self.settle()
         return {"schedule": self.schedule.state_dict(), "replicas": self.groups.replicas, "k": self.groups.k,
+                "committed": self.transport.committed, "unsent_steps": self.unsent_steps,
                 "anchor": [t.clone() for t in self.anchor], "momentum": [t.clone() for t in self.momentum],
                 "residuals": None if self.compression is None else self.compression.state_dict()}
 
@@ -219,6 +243,9 @@ class LocalSGD(OuterLoop):
                                       (self.groups.replicas, self.groups.k), replicas=True)
         self.settle()
         self.schedule.load_state_dict(sd["schedule"])
+        if self.transport.committed is not None:
+            self.transport.committed = sd.get("committed") or 0
+        self.unsent_steps = sd.get("unsent_steps", 0)
         for mine, saved in ((self.anchor, sd["anchor"]), (self.momentum, sd["momentum"])):
             for dst, src in zip(mine, saved):
                 dst.copy_(src)

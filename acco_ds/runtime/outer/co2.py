@@ -33,6 +33,7 @@ class CO2(LocalSGD):
         # What this replica sent, kept where a sync can be discarded (replicas that come and go): a discarded
         # mean leaves the period's progress to be sent again.
         self.sent = [torch.zeros_like(m) for m in shards.masters] if self.transport.fault_tolerant else None
+        self.sent_steps = 0  # inner steps that progress covers (merge "tokens")
 
     @torch.no_grad()
     def _sync(self, sync) -> None:
@@ -45,6 +46,7 @@ class CO2(LocalSGD):
             else:  # the mean was discarded: this replica's progress of that period is sent again with this one
                 for d, sent in zip(deltas, self.sent):
                     d.add_(sent)
+                self.unsent_steps += self.sent_steps
         if sync.blocking or sync.send:
             self.begin_sync()
             if self.healed:  # this replica just took a peer's state: it stands at the anchor, nothing to send
@@ -54,6 +56,7 @@ class CO2(LocalSGD):
             self._average(deltas)
             if self.transport.commit():
                 self._outer(deltas)
+                self.unsent_steps = 0
             new = self.anchor
         elif sync.send:  # jump to the new global model plus this replica's own progress, send that progress
             new = [x - d for x, d in zip(self.anchor, deltas)]
@@ -63,6 +66,7 @@ class CO2(LocalSGD):
                 for buf, d in zip(self.sent, deltas):
                     buf.copy_(d)
             self.transport.average_async(self.in_flight, weight=self.merge_weight())
+            self.sent_steps, self.unsent_steps = self.unsent_steps, 0
         else:  # the last sync with no inner step since the previous one: every replica takes the anchor
             new = self.anchor
         for s, n in zip(self.start, new):
@@ -75,6 +79,16 @@ class CO2(LocalSGD):
             t0 = time.perf_counter()
             self.outer_comm_s += self.transport.collect()
             self.outer_wait_s += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def after_join(self, mean) -> None:
+        """A replica that joined starts its period at the new anchor, with nothing in flight."""
+        super().after_join(mean)
+        for s, x in zip(self.start, self.anchor):
+            s.copy_(x)
+        for buf in self.in_flight + (self.sent or []):
+            buf.zero_()
+        self.schedule.in_flight = False
 
     def state_dict(self) -> dict:
         sd = super().state_dict()  # settled: an in-flight average is saved as received, applied at the next sync

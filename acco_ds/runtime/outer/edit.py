@@ -15,12 +15,15 @@ weighted by their inner steps of the period, and each keeps its own step
 counters (``per_replica_counters``).
 """
 
+import math
 import time
 from typing import List, Tuple
 
 import torch
 import torch.distributed as tdist
 
+from ...algorithms.penalty import clip_scale
+from ..rounds.update import squared_norm
 from .base import LocalSGD
 from .edit_sync import LayerwiseSync
 
@@ -32,7 +35,10 @@ class EDiT(LocalSGD):
 
     def __init__(self, acco, shards, groups):
         super().__init__(acco, shards, groups)
-        self.sync = LayerwiseSync(shards, groups, self.local, self.outer_comm, self.compression)
+        # Replicas that come and go sync blocking (``base._blocking_sync``): a quorum's commit comes after the
+        # whole all-reduce, so no layer may be installed before it.
+        self.sync = None if self.transport.fault_tolerant else \
+            LayerwiseSync(shards, groups, self.local, self.outer_comm, self.compression)
         self.timed = self.schedule.timed
         self.per_replica_counters = self.timed  # A-EDiT replicas run different step counts
         self.clock = time.monotonic  # A-EDiT's period timer; tests inject their own with set_clock
@@ -44,7 +50,8 @@ class EDiT(LocalSGD):
 
     # ------------------------------------------------------------- sync points
     def attach(self, module: torch.nn.Module) -> None:
-        self.sync.attach(module)  # forward waits per layer during a sync
+        if self.sync is not None:
+            self.sync.attach(module)  # forward waits per layer during a sync
 
     def wait(self) -> None:
         self.wait_sync()  # the layer-wise sync uses the inner thread's group
@@ -74,13 +81,13 @@ class EDiT(LocalSGD):
 
     def waited_s(self) -> float:
         """Seconds the compute side has waited for outer communication so far (hooks included)."""
-        return self.outer_wait_s + self.sync.gate.waited_s
+        return self.outer_wait_s + (self.sync.gate.waited_s if self.sync is not None else 0.0)
 
     def wait_sync(self, read: bool = False) -> None:
         """Wait for the layer-wise sync in flight (the next inner step and every read need it). A read
         (``read``) collects it without counting the wait, so ``outer_hidden_fraction`` covers the syncs
         that training itself collected."""
-        if not self.outer_comm.busy:
+        if self.outer_comm is None or not self.outer_comm.busy:
             return
         t0 = time.perf_counter()
         info = self.outer_comm.wait()
@@ -99,6 +106,10 @@ class EDiT(LocalSGD):
 
     @torch.no_grad()
     def _sync(self, sync) -> None:
+        if self.sync is None:  # replicas that come and go: blocking, the next period starts after it
+            self._blocking_sync()
+            self.period_start = self.clock()
+            return
         self.wait_sync()
         self._submitted_at = self.clock()
         self.sync.start(self.anchor, self.momentum, sync.steps, self._elapsed, self._outer_one)
@@ -110,14 +121,28 @@ class EDiT(LocalSGD):
         t = self.local.sync_time_s
         return f"sync_time_s={t:g} (A-EDiT)", f"a sync every {t:g} s of wall time (A-EDiT)"
 
+    def scale_mean(self, mean_deltas):
+        """Blocking syncs: ``pseudo_grad_clip`` on the averaged pseudo-gradient's global norm."""
+        clip = self.local.pseudo_grad_clip
+        if clip is None:
+            return mean_deltas
+        t = torch.tensor([squared_norm(mean_deltas)], dtype=torch.float64, device=self.anchor[0].device)
+        if self.groups.k > 1:
+            tdist.all_reduce(t, group=self.groups.replica_main)
+        scale = clip_scale(math.sqrt(float(t)), clip)
+        return [d.mul_(scale) for d in mean_deltas] if scale != 1.0 else mean_deltas
+
     def stats(self) -> dict:
-        return {"anomalies": self.sync.anomalies, "sync_history": self.sync.history, "read_syncs": self.read_syncs,
+        own = {} if self.sync is None else {"anomalies": self.sync.anomalies, "sync_history": self.sync.history}
+        return {**own, "read_syncs": self.read_syncs,
                 "max_sync_wait_s": self.max_sync_wait if self.timed else None, **super().stats()}
 
     def report(self) -> List[Tuple[str, str]]:
         s = self.stats()
-        lines = super().report() + [("anomalies", f"{s['anomalies']} replica-periods left out of the average")]
-        if self.timed and s["sync_history"]:
+        lines = super().report()
+        if self.sync is not None:
+            lines.append(("anomalies", f"{s['anomalies']} replica-periods left out of the average"))
+        if self.timed and s.get("sync_history"):
             steps = [[int(h["steps"][r]) for h in s["sync_history"]] for r in range(s["replicas"])]
             lines.append(("inner steps", "per period, replica by replica (min/mean/max): " + ", ".join(
                 f"{min(x)}/{sum(x) / len(x):.1f}/{max(x)}" for x in steps) +
@@ -127,17 +152,19 @@ class EDiT(LocalSGD):
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        detector = self.sync.detector
+        detector = self.sync.detector if self.sync is not None else None
         sd["edit"] = {"detector": detector.state_dict() if detector is not None else None,
-                      "period_elapsed_s": self.clock() - self.period_start, "anomalies": self.sync.anomalies}
+                      "period_elapsed_s": self.clock() - self.period_start,
+                      "anomalies": self.sync.anomalies if self.sync is not None else 0}
         return sd
 
     def load_state_dict(self, sd) -> None:
         super().load_state_dict(sd)
         edit = sd.get("edit") or {}
-        if self.sync.detector is not None and edit.get("detector") is not None:
+        if self.sync is not None and self.sync.detector is not None and edit.get("detector") is not None:
             self.sync.detector.load_state_dict(edit["detector"])
-        self.sync.anomalies = edit.get("anomalies", 0)
+        if self.sync is not None:
+            self.sync.anomalies = edit.get("anomalies", 0)
         self.period_start = self.clock() - edit.get("period_elapsed_s", 0.0)  # the period timer goes on
 
     def restart(self) -> None:
@@ -145,7 +172,8 @@ class EDiT(LocalSGD):
         self.period_start = self.clock()
 
     def close(self) -> None:
-        self.sync.close()
+        if self.sync is not None:
+            self.sync.close()
         super().close()
 
 

@@ -17,7 +17,8 @@ round modes, so the host calls every hook unconditionally:
 * ``stats``: the loop's figures (``engine.acco_stats()``); ``banner``, ``report``, ``progress``: its
   start-up words, summary lines and progress words, which the host prints as they are, so a new loop
   is described without host changes;
-* ``attach``: the module, for per-layer forward hooks (``edit``); ``close``: stop the loop's threads.
+* ``attach``: the module, for per-layer forward hooks (``edit``); ``join``: the host is built (a
+  replica that comes and goes joins the others here); ``close``: stop the loop's threads.
 
 An outer loop never sees the engine or the optimizer: it gets ``Shards`` (its
 fp32 master shards, the replica's flat parameters, a spare flat buffer per
@@ -82,6 +83,11 @@ class Shards:
     flats: List[torch.Tensor]
     spare: Callable[[], List[torch.Tensor]]
     params: List[List[Tuple[torch.Tensor, int]]]
+    # Replicas that come and go: what a healing replica's rank takes from this rank besides the outer state
+    # (copies of the inner optimizer's state over this rank's shard and the host's step counters), and how
+    # it takes them. None: the host cannot heal.
+    host_state: Optional[Callable[[], dict]] = None
+    load_host_state: Optional[Callable[[dict], None]] = None
 
     @property
     def partition(self) -> List[int]:
@@ -102,6 +108,9 @@ class OuterLoop:
 
     def attach(self, module: torch.nn.Module) -> None:
         """The host's module, once built."""
+
+    def join(self) -> None:
+        """The host is built and training is about to start (replicas that come and go join here)."""
 
     def after_inner_step(self) -> None:
         """One inner step was committed on this replica."""

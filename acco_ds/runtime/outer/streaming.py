@@ -81,6 +81,7 @@ class StreamingDiLoCo(DiLoCo):
         self.fragment_wait_s = [0.0] * self.F
         self.fragment_bytes = [0] * self.F  # payload this rank handed to each fragment's all-reduces
         self.prepared_at = [0] * self.F  # inner step of each fragment's last δ
+        self.fragment_base = [0] * self.F  # inner step of the δ of each fragment's last committed sync
 
     @property
     def overlapped(self) -> bool:
@@ -110,21 +111,29 @@ class StreamingDiLoCo(DiLoCo):
     @torch.no_grad()
     def _prepare(self, f: int) -> None:
         """δ_f = g_f − θ_f into one buffer; start its mean over the replicas (blocking when τ = 0)."""
+        self.begin_sync()  # (replicas that come and go: the quorum)
         parts = [g - t for g, t in zip(self._parts(self.anchor, f), self._parts(self.shards.masters, f))]
         delta = torch.cat(parts) if parts else self.anchor[0].new_zeros(0)
-        self.pending = {"fragment": f, "delta": delta, "received": not parts}
+        self.pending = {"fragment": f, "delta": delta, "received": True}
         self.prepared_at[f] = self.step
-        if not parts:  # this shard holds none of the fragment: nor does any rank of its outer group
+        if not parts and not self.transport.fault_tolerant:  # nor does any rank of its outer group hold any
             return
         key = [("fragment", f)]  # its own error-feedback residual under compression
+        weight = self.merge_weight()
         if self.tau == 0:
             before = self.outer_bytes
-            seconds = self.transport.average([delta], key, self.merge_weight())
+            seconds = self.transport.average([delta], key, weight)
             self._count(f, seconds, seconds, self.outer_bytes - before)
-            self.pending["received"] = True
         else:
-            self.pending["bytes_before"] = self.outer_bytes
-            self.transport.average_async([delta], key, self.merge_weight())
+            self.pending.update(received=False, bytes_before=self.outer_bytes)
+            self.transport.average_async([delta], key, weight)
+
+    def merge_weight(self) -> float:
+        """merge "tokens": a fragment's pseudo-gradient covers the steps since its last committed sync."""
+        weight = super().merge_weight()
+        if weight == 0.0 or self.fault_tolerance is None or self.fault_tolerance.merge != "tokens":
+            return weight
+        return float(self.step - self.fragment_base[self.pending["fragment"]])
 
     def _receive(self) -> None:
         """Wait for the prepared fragment's mean (the compute side's wait is counted)."""
@@ -150,6 +159,8 @@ class StreamingDiLoCo(DiLoCo):
         self._receive()
         pending, self.pending = self.pending, None
         assert pending is not None and pending["fragment"] == f, "streaming schedule out of step"
+        if pending.get("joined") or not self.transport.commit():  # synced at the join, or discarded
+            return
         mean, start = pending["delta"], 0
         for x, m, theta in zip(self._parts(self.anchor, f), self._parts(self.momentum, f),
                                self._parts(self.shards.masters, f)):
@@ -158,7 +169,44 @@ class StreamingDiLoCo(DiLoCo):
             start += n
             theta.copy_(torch.lerp(x, theta, alpha) if alpha else x)
         self.fragment_syncs[f] += 1
+        self.fragment_base[f] = self.prepared_at[f]
         self._install(self.shards.masters)
+
+    # ----------------------------------------------- replicas that come and go
+    def _join_fragment(self) -> int:
+        """The fragment the replicas present are preparing (fragment 0 before the first inner step)."""
+        return self._window(self.step)[0] if self.step else 0
+
+    def join_tensors(self):
+        f = self._join_fragment()
+        return [torch.zeros(sum(hi - lo for _, lo, hi in self.slices[f]), dtype=self.anchor[0].dtype,
+                            device=self.anchor[0].device)]
+
+    @torch.no_grad()
+    def after_join(self, mean) -> None:
+        """The joining sync was the others' prepared fragment: take its outer step now (the others take it
+        τ steps later, with the same result) and skip that fragment's sync in this window."""
+        f, start = self._join_fragment(), 0
+        if self.transport.contributed:
+            for x, m in zip(self._parts(self.anchor, f), self._parts(self.momentum, f)):
+                self._outer_one(x, m, mean[0][start:start + x.numel()])
+                start += x.numel()
+            self.fragment_syncs[f] += 1
+            self.fragment_base[f] = self.step
+        self.pending = {"fragment": f, "joined": True, "received": True} \
+            if self.transport.contributed and self.tau > 0 else None
+        self._install(self.anchor)
+        self.unsent_steps = 0
+
+    def loop_state(self) -> dict:
+        return {**super().loop_state(), "step": self.step, "prepared_at": list(self.prepared_at),
+                "fragment_syncs": list(self.fragment_syncs), "fragment_base": list(self.fragment_base)}
+
+    def load_loop_state(self, state: dict) -> None:
+        super().load_loop_state(state)
+        self.step, self.pending = state["step"], None
+        for name in ("prepared_at", "fragment_syncs", "fragment_base"):
+            setattr(self, name, list(state[name]))
 
     # ------------------------------------------------------------- lifecycle
     @torch.no_grad()
@@ -187,7 +235,8 @@ class StreamingDiLoCo(DiLoCo):
         sd["streaming"] = {"step": self.step, "fragments": self.F, "fragment_sync_delay": self.tau,
                            "prepared_at": list(self.prepared_at),
                            "fragment_syncs": list(self.fragment_syncs),
-                           "pending": None if self.pending is None else {
+                           "fragment_base": list(self.fragment_base),
+                           "pending": None if self.pending is None or self.pending.get("joined") else {
                                "fragment": self.pending["fragment"], "delta": self.pending["delta"].clone()}}
         return sd
 
@@ -209,6 +258,7 @@ class StreamingDiLoCo(DiLoCo):
         self.step = streaming["step"]
         self.prepared_at = list(streaming["prepared_at"])
         self.fragment_syncs = list(streaming["fragment_syncs"])
+        self.fragment_base = list(streaming.get("fragment_base", streaming["prepared_at"]))
         p = streaming["pending"]
         self.pending = None if p is None else {"fragment": p["fragment"], "delta": p["delta"].clone(),
                                                "received": True}
@@ -216,6 +266,7 @@ class StreamingDiLoCo(DiLoCo):
     def restart(self) -> None:
         super().restart()
         self.step, self.pending, self.prepared_at = 0, None, [0] * self.F
+        self.fragment_base = [0] * self.F
 
     # ---------------------------------------------------------- observability
     def banner(self) -> str:

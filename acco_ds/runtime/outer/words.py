@@ -18,7 +18,16 @@ def banner(loop) -> str:
              f"{' nesterov' if st['nesterov'] else ''}")
     return (f"replicas={loop.groups.replicas} x {loop.groups.k} ranks ({_inner(loop)} inside each) {period} {outer}"
             f"{'' if loop.compression is None else f' outer all-reduce {loop.compression.codec}'}"
-            f"{'' if loop.outer_comm is None else ' outer communication overlapped'}")
+            f"{'' if loop.outer_comm is None else ' outer communication overlapped'}{_fault_tolerance(loop)}")
+
+
+def _fault_tolerance(loop) -> str:
+    ft = loop.fault_tolerance
+    if ft is None:
+        return ""
+    t = loop.transport
+    return (f" fault tolerance: torchft replica {t.replica_id}, lighthouse {t.lighthouse}, min_replicas={ft.min_replicas}"
+            f" merge={ft.merge}")
 
 
 def report(loop) -> List[Tuple[str, str]]:
@@ -37,7 +46,19 @@ def report(loop) -> List[Tuple[str, str]]:
     counted = f" over the {syncs - reads} syncs training collected ({reads} collected by a read)" if reads else ""
     lines.append(("outer syncs", f"{syncs} syncs, {per_sync}outer communication {s['outer_comm_s']:.2f} s"
                                  f"{counted}, {overlap} (waited {s['outer_wait_s']:.2f} s)"))
+    if s.get("fault_tolerance"):
+        lines.append(("fault tolerance", fault_tolerance_words(s)))
     return lines
+
+
+def fault_tolerance_words(s: dict) -> str:
+    """The summary line of a fault-tolerant loop: who took part in the syncs, what was discarded and healed."""
+    who = ("no quorum yet" if s["participants_min"] is None else
+           f"{s['participants_min']}/{s['participants_mean']:.1f}/{s['participants_max']} replicas per quorum "
+           f"(min/mean/max)")
+    return (f"replica {s['replica_id']}: {s['quorums']} quorums, {who}, {s['syncs_discarded']} syncs discarded, "
+            f"{s['heals']} heals ({s['heal_bytes'] / 2**20:.2f} MiB, {s['heal_s']:.2f} s), "
+            f"{s['quorum_wait_s']:.2f} s waiting for quorums")
 
 
 def progress(loop) -> str:
@@ -48,4 +69,4 @@ def progress(loop) -> str:
             f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
 
 
-__all__ = ["banner", "report", "progress"]
+__all__ = ["banner", "report", "progress", "fault_tolerance_words"]

@@ -43,6 +43,7 @@ from ..comm.worker import CommWorker
 from ..comm.compression import round_codec
 from .host_memory import pin_mmap_threshold
 from .job import CommResult, KeptShard, RoundJob
+from .state import heal_state, load_heal_state
 from ..outer.interface import OuterLoop, OuterLoopHost, Shards, build_outer_loop
 from .stats import RoundLog
 from .update import ShardUpdate
@@ -89,7 +90,9 @@ class RoundDriver(OuterLoopHost):
         self.view = ParamView(params, flats)
         self.log = RoundLog()
         # The outer loop (local-SGD modes: this ZeRO-1 group is one replica, the loop syncs the replicas).
-        shards = Shards(masters, flats, lambda: [buf.spare() for buf in self.buffers], params)
+        shards = Shards(masters, flats, lambda: [buf.spare() for buf in self.buffers], params,
+                        host_state=functools.partial(heal_state, self),
+                        load_host_state=functools.partial(load_heal_state, self))
         self.outer: OuterLoop = build_outer_loop(acco, shards, replica_groups)
         self.host_counters = None  # the host's own counters, when each replica keeps its own (checkpoint)
         self.kept = KeptShard()
@@ -122,6 +125,13 @@ class RoundDriver(OuterLoopHost):
 
     def before_job(self) -> None:
         """Main thread, just before a job is handed to the communication thread (nothing is in flight)."""
+
+    def counters(self) -> dict:
+        """The host's step counters a replica that heals from this one takes (``acco.fault_tolerance``)."""
+        return {}
+
+    def load_counters(self, counters: dict) -> None:
+        """Take a peer's ``counters()``."""
 
     # --------------------------------------------------------- compute side
     @torch.no_grad()
@@ -287,14 +297,6 @@ class RoundDriver(OuterLoopHost):
         self.outer.close()
 
     # -------------------------------------------------------- observability
-    def round_stats(self) -> dict:
-        out = dict(self.log.summary(), mode=self.acco.mode, accumulation=self.acco.accumulation,
-                   kernels=self.kernels.name, optimizer_update=self.update.name, buffer_bytes=self.buffer_bytes(),
-                   compression=None if self.codec is None else str(self.codec),
-                   compressed_bytes=None if self.codec is None else self.codec.sent_bytes)
-        out.update(self.outer.stats())
-        return out
-
     def buffer_bytes(self) -> dict:
         """Bytes of the buffers ACCO adds to ZeRO-1 on this rank, by buffer (see ``buffers``)."""
         return allocated_bytes(self.buffers)

@@ -8,7 +8,10 @@ are the committed ones), a finished commit whose parameters are not installed
 yet, and the outer loop's state.
 """
 
+import copy
 from dataclasses import asdict
+
+import torch
 
 from ...config import checkpoint_mismatch
 from ..comm import collectives
@@ -96,4 +99,34 @@ def load_state(opt, acco: dict) -> None:
             collectives.all_gather_part(buf.gathered, saved, opt.rank, group)
 
 
-__all__ = ["save_state", "load_state", "check_state", "load_residuals"]
+def load_optimizer_state(optimizer, saved: dict) -> None:
+    """``optimizer.load_state_dict(saved)`` that copies into the state tensors the optimizer already has, so
+    that whatever holds them (DeepSpeed's links from parameters to their optimizer state) stays valid."""
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for saved_group in saved["param_groups"] for i in saved_group["params"]]
+    for p, i in zip(params, ids):
+        state = optimizer.state[p]
+        for key, value in saved["state"].get(i, {}).items():
+            mine = state.get(key)
+            if torch.is_tensor(value) and torch.is_tensor(mine) and mine.shape == value.shape:
+                mine.copy_(value)
+            else:
+                state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+
+def heal_state(opt) -> dict:
+    """What a healing replica's rank takes from this rank of ``opt`` (a ``RoundDriver``) besides the outer
+    state (copies, ``acco.fault_tolerance``): the inner optimizer's state over this rank's master shard (its
+    moments and step) and the host's counters."""
+    return {"optimizer": copy.deepcopy(opt.update.optimizer.state_dict()), "counters": opt.counters()}
+
+
+def load_heal_state(opt, state: dict) -> None:
+    load_optimizer_state(opt.update.optimizer, state["optimizer"])
+    opt.load_counters(state["counters"])
+
+
+__all__ = ["save_state", "load_state", "check_state", "load_residuals", "load_optimizer_state", "heal_state",
+           "load_heal_state"]

@@ -59,6 +59,16 @@ class RoundLog:
         return t
 
 
+def round_stats(opt) -> dict:
+    """The figures of a ``RoundDriver``'s rounds (``acco_stats()``), with its outer loop's."""
+    out = dict(opt.log.summary(), mode=opt.acco.mode, accumulation=opt.acco.accumulation,
+               kernels=opt.kernels.name, optimizer_update=opt.update.name, buffer_bytes=opt.buffer_bytes(),
+               compression=None if opt.codec is None else str(opt.codec),
+               compressed_bytes=None if opt.codec is None else opt.codec.sent_bytes)
+    out.update(opt.outer.stats())
+    return out
+
+
 def banner(acco, opt, host: str = "ACCO engine") -> str:
     """The one start-up line rank 0 prints (``host``: who trains)."""
     outer = opt.outer.banner()
@@ -105,4 +115,4 @@ def report_lines(opt) -> List[Tuple[str, str]]:
                             f"update={opt.update.name}")] + lines
 
 
-__all__ = ["RoundStats", "RoundLog", "banner", "round_words", "report_lines"]
+__all__ = ["RoundStats", "RoundLog", "round_stats", "banner", "round_words", "report_lines"]

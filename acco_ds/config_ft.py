@@ -1,0 +1,111 @@
+"""The ``fault_tolerance`` block of ``"acco"``: replicas that come and go, on torchft.
+
+    "acco": {"enabled": true, "mode": "diloco", "local_sgd": {"sync_every": 50},
+             "fault_tolerance": {"min_replicas": 2, "merge": "tokens"}}
+
+With the block, one launch is one replica: its ranks run ZeRO-1 (or FSDP2) inside, and the outer
+all-reduce of the local-SGD modes runs through torchft's Manager, which forms a quorum of the replicas
+present at every sync, heals a replica that joins from a live one, and discards a sync that a failure
+interrupted. Kept apart from ``config_local`` so each module stays readable; ``ACCOConfig`` checks how
+the block combines with the rest of ``"acco"`` (``check``).
+"""
+
+import os
+import socket
+from typing import Literal, Optional
+from urllib.parse import urlparse
+
+from pydantic import Field, StrictInt
+
+from .config_local import _Documented
+
+LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID"
+START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --bind [::]:29510 --join_timeout_ms 1000"
+
+
+class FaultToleranceConfig(_Documented):
+    """Replicas that come and go (local-SGD modes, torchft). Each launch is one replica; a lost replica
+    stops nobody, a relaunched or new one heals from a live one before its first inner step."""
+
+    min_replicas: StrictInt = Field(1, ge=1)
+    """Fewest replicas a sync may commit with; below it the sync is discarded and tried again at the
+    next one (and the lighthouse waits for that many replicas before the first quorum)."""
+
+    replica_id: Optional[str] = Field(None, min_length=1)
+    """This replica's name (every rank of a launch gives the same). Default: the environment variable
+    ``REPLICA_GROUP_ID``, as in torchft's examples. End it in a number (``"replica_3"`` or ``"3"``)."""
+
+    lighthouse: Optional[str] = Field(None, min_length=1)
+    """The torchft lighthouse, e.g. ``"http://localhost:29510"``. Default: ``TORCHFT_LIGHTHOUSE``."""
+
+    timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False)
+    """Timeout of the outer all-reduces, of the commit vote, of a heal's transfer and of reaching the
+    lighthouse: a replica that stops answering is left out after about this long."""
+
+    quorum_timeout_s: float = Field(600.0, gt=0.0, allow_inf_nan=False)
+    """How long a sync waits for a quorum of at least ``min_replicas`` replicas (progress lines every
+    10 s meanwhile) before it raises. A joining replica waits up to one sync period of the others."""
+
+    merge: Literal["mean", "tokens"] = "mean"
+    """How the participants' pseudo-gradients are merged: ``mean``, every replica that trained since the
+    global model it holds alike; ``tokens``, each weighted by the inner steps it trained since then (its
+    tokens, the per-step batch being the same), so a slow replica (A-EDiT) counts for what it did. A
+    replica that just healed weighs 0."""
+
+    def check(self, acco) -> None:
+        """How the block combines with the rest of ``"acco"`` (one ``ValueError`` naming the fix)."""
+        if not acco.local:
+            raise ValueError(f'acco.fault_tolerance lets the replicas of a local-SGD mode come and go, but '
+                             f'acco.mode is "{acco.mode}": its ranks are one data-parallel group that takes every '
+                             f'step together, so there is no replica to lose or to heal. Use acco.mode "diloco", '
+                             f'"co2" or "edit", or remove acco.fault_tolerance (recovery of the round modes is a '
+                             f'relaunch and load_checkpoint)')
+        c = acco.compression
+        if c.enabled and (c.apply_to is None or "outer" in c.apply_to):
+            raise ValueError('acco.compression of the outer all-reduce cannot run with acco.fault_tolerance: its '
+                             'error-feedback residuals are laid out per participant, and the participants change '
+                             'at every quorum. Set acco.compression.apply_to to ["rounds"] (inside a replica), or '
+                             'remove acco.compression')
+        edit = acco.local_sgd
+        if acco.mode == "edit" and edit is not None and (edit.anomaly.enabled or edit.weighting == "norm"):
+            what = "anomaly.enabled" if edit.anomaly.enabled else 'weighting="norm"'
+            raise ValueError(f"acco.local_sgd.{what} cannot run with acco.fault_tolerance: EDiT's anomaly "
+                             f"statistics and norm weighting follow each replica by its place among a fixed set "
+                             f"of replicas, which a changing quorum does not have. Remove it: pseudo_grad_clip "
+                             f"and A-EDiT's sync_time_s work with fault tolerance")
+
+    def resolved_lighthouse(self) -> str:
+        """The lighthouse address (the key, else ``TORCHFT_LIGHTHOUSE``), or a ``ValueError`` naming both."""
+        addr = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not addr:
+            raise ValueError(f"acco.fault_tolerance needs a torchft lighthouse: set {LIGHTHOUSE_ENV} (e.g. "
+                             f"http://localhost:29510) or acco.fault_tolerance.lighthouse. Start one with "
+                             f"`{START_LIGHTHOUSE}`")
+        return addr if "://" in addr else f"http://{addr}"
+
+    def resolved_replica_id(self) -> str:
+        rid = self.replica_id or os.environ.get(REPLICA_ENV)
+        if not rid:
+            raise ValueError(f"acco.fault_tolerance needs this replica's name: set {REPLICA_ENV} (e.g. 0, 1, 2 for "
+                             f"three launches) or acco.fault_tolerance.replica_id")
+        if not rid[-1].isdigit():
+            raise ValueError(f"acco.fault_tolerance replica id {rid!r} must end in a number (torchft numbers the "
+                             f"replicas' ranks from it): use e.g. {rid}_0")
+        return rid
+
+    def check_lighthouse(self) -> str:
+        """Reach the lighthouse within ``timeout_s`` (every rank, before torchft's Manager is built, so that no
+        rank hangs on a peer that failed); returns its address."""
+        addr = self.resolved_lighthouse()
+        url = urlparse(addr)
+        try:
+            socket.create_connection((url.hostname, url.port or 80), timeout=self.timeout_s).close()
+        except OSError as err:
+            source = "acco.fault_tolerance.lighthouse" if self.lighthouse else LIGHTHOUSE_ENV
+            raise RuntimeError(f"acco.fault_tolerance: cannot reach the torchft lighthouse at {addr} ({source}) "
+                               f"within timeout_s={self.timeout_s:g} s: {err}. Start one with "
+                               f"`{START_LIGHTHOUSE}` and point {LIGHTHOUSE_ENV} at it") from None
+        return addr
+
+
+__all__ = ["FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_ENV", "START_LIGHTHOUSE"]

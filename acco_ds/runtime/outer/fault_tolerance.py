@@ -1,0 +1,265 @@
+"""Replicas that come and go: the outer all-reduce through torchft's Manager (``acco.fault_tolerance``).
+
+One launch is one replica: its ``k`` ranks run ZeRO-1 (or FSDP2) inside, each rank with a Manager of its
+own (rank i of k, the replica's id). torchft joins rank i of every replica into one process group that it
+reconfigures at every quorum: that is the outer group. A sync (``transport.GroupTransport`` has the same
+calls) runs:
+
+* ``begin``: ``start_quorum()``, synchronous. A replica that is behind (new, or relaunched after a crash)
+  receives here, rank by rank from the same rank of a live replica, what the loop registered: anchor,
+  outer momentum, the loop's position and the host's inner optimizer shard and counters. It then stands
+  at the anchor and contributes nothing to this sync;
+* ``average``: ``Σ w_i δ_i / Σ w_i``, two torchft all-reduces (SUM) of the tensors scaled by this
+  replica's merge weight and of the weight, so a replica with nothing to add (weight 0) changes nothing,
+  and ``merge: "tokens"`` weighs each replica by what it trained;
+* ``commit``: ``should_commit()``, False on every survivor when a participant failed during the sync; the
+  loop then discards the sync (anchor and momentum as they were).
+
+``committed`` counts the syncs the global model took (those that committed with some weight), so
+``acco_syncs`` is the same on every replica, a healed one included.
+"""
+
+import contextlib
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, List, Optional
+
+import torch
+from torch.distributed import ReduceOp
+
+PROGRESS_EVERY_S = 10.0  # a line while a quorum is awaited
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class TorchFTTransport:
+    """The outer all-reduce through torchft (see the module docstring).
+
+    Args:
+        ft: the ``FaultToleranceConfig``.
+        groups: this rank's replica layout (``k`` = the launch's ranks; ``shard`` = this rank in it).
+        state: returns what a healing peer receives from this rank (copies: the transfer may run later).
+        load: takes a peer's ``state()`` (on the main thread, inside ``begin``).
+    """
+
+    fault_tolerant = True
+    worker = None  # the asynchronous averages are torchft's own works, no thread of ours
+
+    def __init__(self, ft, groups, state: Callable[[], dict], load: Callable[[dict], None]):
+        import torchft  # only with acco.fault_tolerance: torchft is a dependency of this feature alone
+        self.ft, self.groups, self._state, self._load = ft, groups, state, load
+        self.lighthouse = ft.check_lighthouse()
+        self.replica_id = ft.resolved_replica_id()
+        seconds = timedelta(seconds=ft.timeout_s)
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=seconds), load_state_dict=self._heal, state_dict=self._state,
+            min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=seconds,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=seconds, rank=groups.shard,
+            world_size=groups.k, replica_id=self.replica_id, lighthouse_addr=self.lighthouse, init_sync=True)
+        self.committed = 0  # syncs the global model took
+        self.bytes = 0  # payload this rank handed to outer all-reduces
+        self.discarded = 0
+        self.participants_per_sync: List[int] = []
+        self.quorum_wait_s = 0.0
+        self.heals, self.heal_bytes, self.heal_s = 0, 0, 0.0
+        self._healed = False
+        self._pending = None  # (tensors, works, weight tensor) of an asynchronous average
+        self._weights = 0.0  # Σ w of the last average
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    # ------------------------------------------------------------------ a sync
+    def begin(self) -> bool:
+        """The quorum; returns True when this replica just took a peer's state."""
+        self._healed = False
+        t0 = time.perf_counter()
+        with self._progress(t0):
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=self.ft.quorum_timeout_s))
+            except Exception as err:  # noqa: BLE001 - torchft raises TimeoutError or RuntimeError
+                raise RuntimeError(
+                    f"acco.fault_tolerance: replica {self.replica_id} found no quorum of at least "
+                    f"min_replicas={self.ft.min_replicas} replica(s) at the lighthouse {self.lighthouse} within "
+                    f"quorum_timeout_s={self.ft.quorum_timeout_s:g} s ({type(err).__name__}: {err}). Start more "
+                    f"replicas, lower min_replicas, or raise quorum_timeout_s above one sync period") from err
+        seconds = time.perf_counter() - t0
+        self.quorum_wait_s += seconds
+        self.participants_per_sync.append(self.participants)
+        if self._healed:
+            self.heals += 1
+            self.heal_s += seconds
+        return self._healed
+
+    def _heal(self, state: dict) -> None:
+        self.heal_bytes += _nbytes(state)
+        self._load(state)
+        self._healed = True
+
+    @contextlib.contextmanager
+    def _progress(self, t0: float):
+        """Say, every ``PROGRESS_EVERY_S`` while the quorum is awaited, how long it has been (rank 0 of the
+        replica)."""
+        done = threading.Event()
+
+        def say():
+            while not done.wait(PROGRESS_EVERY_S):
+                print(f"[acco_ds] replica {self.replica_id}: waiting for a quorum of at least "
+                      f"{self.ft.min_replicas} replica(s) at {self.lighthouse}: {time.perf_counter() - t0:.0f} s of "
+                      f"quorum_timeout_s={self.ft.quorum_timeout_s:g}", flush=True)
+
+        watcher = threading.Thread(target=say, daemon=True) if self.groups.shard == 0 else None
+        if watcher is not None:
+            watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            if watcher is not None:
+                watcher.join()
+
+    def average(self, tensors: List[torch.Tensor], keys=None, weight: float = 1.0, side: bool = False) -> float:
+        start = time.perf_counter()
+        self.average_async(tensors, keys, weight)
+        self.collect()
+        return time.perf_counter() - start
+
+    def average_async(self, tensors: List[torch.Tensor], keys=None, weight: float = 1.0) -> None:
+        """Start ``Σ w δ`` and ``Σ w`` (torchft's works run on their own); ``collect`` divides."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        w = torch.tensor([float(weight)], dtype=torch.float64, device=device)
+        works = []
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            if weight != 1.0:
+                t.mul_(weight)
+            works.append(self.manager.allreduce(t, reduce_op=ReduceOp.SUM))
+            self.bytes += t.numel() * t.element_size()
+        works.append(self.manager.allreduce(w, reduce_op=ReduceOp.SUM))
+        self._pending = (tensors, works, w)
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    def collect(self) -> float:
+        """Wait for the asynchronous average; the tensors become the weighted mean (zeros when nobody
+        contributed, or when the all-reduce failed: ``commit`` then says False)."""
+        t0 = time.perf_counter()
+        tensors, works, w = self._pending
+        self._pending = None
+        ok = all(work.wait() is not False for work in works)
+        self._weights = float(w.item()) if ok else 0.0
+        for t in tensors:
+            if ok and self._weights > 0:
+                t.div_(self._weights)
+            else:
+                t.zero_()
+        return time.perf_counter() - t0
+
+    def commit(self) -> bool:
+        ok = self.manager.should_commit()
+        if ok and self._weights > 0:
+            self.committed += 1
+        if not ok:
+            self.discarded += 1
+        return ok
+
+    @property
+    def contributed(self) -> bool:
+        """Some replica added weight to the last average (the start-up sync has none)."""
+        return self._weights > 0
+
+    # ------------------------------------------------------------- observability
+    def stats(self) -> dict:
+        n = self.participants_per_sync
+        return {"fault_tolerance": True, "replica_id": self.replica_id, "lighthouse": self.lighthouse,
+                "participants_min": min(n) if n else None, "participants_max": max(n) if n else None,
+                "participants_mean": sum(n) / len(n) if n else None, "syncs_discarded": self.discarded,
+                "heals": self.heals, "heal_bytes": self.heal_bytes, "heal_s": self.heal_s,
+                "quorum_wait_s": self.quorum_wait_s, "quorums": len(n)}
+
+    def close(self) -> None:
+        manager, self.manager = getattr(self, "manager", None), None
+        if manager is not None:
+            manager.shutdown(wait=True)
+
+
+class JoinsAndHeals:
+    """What a local-SGD loop (``base.LocalSGD``, which mixes this in) does for replicas that come and go: the
+    join before the first inner step, and the state a healing replica takes from a live one. A loop with
+    more position (Streaming DiLoCo) or state in flight (CO2) extends ``join_tensors``, ``after_join``,
+    ``loop_state`` and ``load_loop_state``."""
+
+    @torch.no_grad()
+    def join(self) -> None:
+        """With ``fault_tolerance``, take part in the next sync of the replicas present (the first quorum, or
+        the running replicas' next sync) before the first inner step: a new or relaunched replica takes a
+        live replica's state there, so it trains from the global model. A discarded sync is tried again."""
+        if self.fault_tolerance is None:
+            return
+        while True:
+            self.begin_sync()
+            mean = self.join_tensors()
+            self.transport.average(mean, weight=0.0)
+            if self.transport.commit():
+                break
+        self.after_join(mean)
+
+    def join_tensors(self) -> List[torch.Tensor]:
+        """Zeros shaped like what the others average at the sync a joining replica takes part in."""
+        return [torch.zeros_like(x) for x in self.anchor]
+
+    def after_join(self, mean) -> None:
+        """The joining sync committed: take its outer step (when some replica contributed) and the anchor."""
+        if self.transport.contributed:
+            self._outer(self.scale_mean(mean))
+        self._install(self.anchor)
+        self.unsent_steps = 0
+
+    def heal_state(self) -> dict:
+        """What a healing replica's rank receives from this rank (copies: the transfer may run later)."""
+        host = self.shards.host_state() if self.shards.host_state is not None else None
+        return {"replica_group_size": self.groups.k, "anchor": [t.clone() for t in self.anchor],
+                "momentum": [t.clone() for t in self.momentum], "syncs": self.transport.committed,
+                "loop": self.loop_state(), "host": host}
+
+    @torch.no_grad()
+    def heal_load(self, state: dict) -> None:
+        """Take a live replica's state (inside ``begin``): this replica then stands at the anchor."""
+        if state["replica_group_size"] != self.groups.k:
+            raise ValueError(f"acco.fault_tolerance: this replica has {self.groups.k} rank(s) but the replica it "
+                             f"heals from has {state['replica_group_size']}: every replica must run the same number "
+                             f"of ranks (their shards of the anchor and of the inner optimizer state must match). "
+                             f"Relaunch it with {state['replica_group_size']} rank(s)")
+        for mine, saved in ((self.anchor, state["anchor"]), (self.momentum, state["momentum"]),
+                            (self.shards.masters, state["anchor"])):
+            for dst, src in zip(mine, saved):
+                dst.copy_(src)
+        self.transport.committed = state["syncs"]
+        self.load_loop_state(state["loop"])
+        if state["host"] is not None and self.shards.load_host_state is not None:
+            self.shards.load_host_state(state["host"])
+        self.unsent_steps = 0
+
+    def loop_state(self) -> dict:
+        """The loop's position a healing replica takes (a subclass adds its own)."""
+        return {"schedule": self.schedule.state_dict()}
+
+    def load_loop_state(self, state: dict) -> None:
+        self.schedule.load_state_dict(state["schedule"])
+
+
+
+__all__ = ["TorchFTTransport", "JoinsAndHeals", "PROGRESS_EVERY_S"]

@@ -1,0 +1,182 @@
+"""Replicas that come and go (``acco.fault_tolerance``, torchft): each replica its own launch, joined through a
+torchft lighthouse. Without failures a run equals the float64 simulator; a replica killed mid-period stops
+nobody; one killed inside an outer all-reduce makes every survivor discard that sync (anchor unchanged bit
+for bit) and commit the next; a relaunched replica heals from a live one and every replica ends on the
+same committed weights; bad settings and bad luck give errors that name the fix."""
+
+import json
+import time
+
+import pytest
+import torch
+
+import common
+from acco_ds.config import ACCOConfig, host_problems, parse_acco_config
+from acco_ds.config_ft import FaultToleranceConfig
+from acco_ds.testing.simulator import simulate_local_sgd
+from dist import free_port
+from ft import Fleet
+from test_engine import assert_matches
+
+GAS, H = 2, 2
+
+
+def ft_config(mode="diloco", min_replicas=1, **ft):
+    local = {"sync_every": H}
+    return common.ds_config(acco={"mode": mode, "local_sgd": local,
+                                  "fault_tolerance": {"min_replicas": min_replicas, "timeout_s": 20,
+                                                      "quorum_timeout_s": 120, **ft}}, gas=GAS)
+
+
+def reference(mode, replicas, k, steps):
+    s = ACCOConfig(enabled=True, mode=mode, local_sgd={"sync_every": H}).outer
+    return simulate_local_sgd(mode, common.make_model(0), common.loss_fn, common.micro_batch, world_size=replicas * k,
+                              group_size=k, gradient_accumulation_steps=GAS, steps=steps, sync_every=H,
+                              optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=s["outer_lr"],
+                              outer_momentum=s["outer_momentum"], nesterov=s["nesterov"],
+                              staleness_penalty=s["staleness_penalty"], dtype=torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_without_failures_a_fault_tolerant_run_equals_the_simulator(tmp_path):
+    """diloco with 2 replicas of 2 ranks (the start-up quorum heals each rank of one replica from the other), and
+    co2 with 2 replicas of 1 rank (the pseudo-gradient in flight through torchft's works), side by side: every
+    rank's replica and the committed anchor match the float64 simulator after every inner step."""
+    steps = 6
+    with Fleet(tmp_path / "diloco", min_replicas=2) as a, Fleet(tmp_path / "co2", min_replicas=2) as b:
+        for r in ("r0", "r1"):
+            a.start(r, {"config": ft_config("diloco", min_replicas=2), "steps": steps}, ranks=2)
+            b.start(r, {"config": ft_config("co2", min_replicas=2), "steps": steps}, ranks=1)
+        for fleet, k in ((a, 2), (b, 1)):
+            assert [fleet.wait(r, 360) for r in ("r0", "r1")] == [[0] * k, [0] * k], fleet.logs("r0")
+    for fleet, mode, k in ((a, "diloco", 2), (b, "co2", 1)):
+        ref = reference(mode, 2, k, steps)
+        for g in range(2):
+            for rank in range(k):
+                got = fleet.result(f"r{g}", rank)
+                assert got["global_steps"] == steps
+                assert_matches(got["params"], ref["replicas"][g])
+                assert_matches(got["committed"], ref["anchor"])
+                s = got["stats"]
+                assert s["participants_min"] == s["participants_max"] == 2 and s["syncs_discarded"] == 0
+        for rank in range(k):  # the start-up quorum heals rank r of every replica but one
+            assert sum(fleet.result(f"r{g}", rank)["stats"]["heals"] for g in range(2)) == 1
+        assert fleet.result("r0")["acco_syncs"] == steps // H
+        labels = [label for label, _ in fleet.result("r0")["report"]]
+        assert "fault tolerance" in labels
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
+    """Three replicas of one rank, diloco. Replica 2 is SIGKILLed mid-period: the survivors' syncs go on with
+    two participants while it is dead. Its relaunch heals from a live replica (it starts at their sync count
+    and step count) and trains on. Then replica 1 dies inside an outer all-reduce: that sync is discarded on
+    both survivors, whose anchor it leaves bit for bit as it was, and their next sync commits. The survivors
+    end on the same committed weights after the same syncs, exit code 0."""
+    slow = {"sleep_per_micro": 0.25, "syncs": 10_000}  # the test says when to stop (control.json)
+
+    def syncs(name):
+        return fleet.progress(name).get("syncs", -1)
+
+    def control(**values):
+        (tmp_path / "control.json.tmp").write_text(json.dumps(values))
+        (tmp_path / "control.json.tmp").replace(tmp_path / "control.json")
+
+    with Fleet(tmp_path, min_replicas=1) as fleet:
+        fleet.start("r0", {"config": ft_config(), **slow})
+        fleet.start("r1", {"config": ft_config(), **slow})
+        fleet.start("r2", {"config": ft_config(), "die_at_micro": 9, **slow})  # mid-period 3
+        assert fleet.wait("r2", 240) == [-9], "replica 2 was to die mid-period"
+        dead_at = syncs("r0")
+        fleet.wait_for(lambda: syncs("r0") >= dead_at + 2, 120, "the survivors to sync on without replica 2")
+        fleet.start("r2_again", {"config": ft_config(), **slow}, replica_id=2)
+        fleet.wait_for(lambda: syncs("r2_again") >= 0, 240, "the relaunched replica to join")
+        joined = syncs("r2_again")  # written right after its join: the survivors' count
+        fleet.wait_for(lambda: syncs("r2_again") > joined, 60, "a sync of the relaunched replica after its join")
+        control(die={"r1": syncs("r1") + 1})
+        assert fleet.wait("r1", 120) == [-9], "replica 1 was to die inside an all-reduce"
+        died_at = syncs("r0")
+        fleet.wait_for(lambda: syncs("r0") >= died_at + 2, 120, "the survivors to commit after the discarded sync")
+        control(stop_at_syncs=max(syncs("r0"), syncs("r2_again")) + 2)
+        codes = [fleet.wait(r, 240) for r in ("r0", "r2_again")]
+        assert codes == [[0], [0]], fleet.logs("r0") + fleet.logs("r2_again")
+    r0, r2 = fleet.result("r0"), fleet.result("r2_again")
+    # Replica 2 was dead for at least two syncs of the survivors, who synced with two participants.
+    while_dead = [s for s in r0["syncs"] if dead_at < s["syncs"] <= dead_at + 2]
+    assert len(while_dead) == 2 and all(s["participants"] == 2 for s in while_dead), r0["syncs"]
+    # The relaunch healed: it joined at the survivors' count with their step count; state came over the wire.
+    assert r2["syncs_at_join"] > dead_at and r2["stats"]["heals"] == 1 and r2["stats"]["heal_bytes"] > 0
+    assert r2["steps_at_join"] > 0, "the healed replica's step counter is its peer's"
+    # Replica 1 died inside an all-reduce: that sync was discarded on every survivor, nothing applied.
+    for survivor in (r0, r2):
+        discarded = [q for q in survivor["quorums"] if not q["committed"]]
+        assert len(discarded) == 1 and survivor["stats"]["syncs_discarded"] == 1, survivor["quorums"]
+        q = discarded[0]
+        assert all(torch.equal(a, b) for a, b in zip(q["anchor_before"], q["anchor_after"]))
+        after = survivor["quorums"][survivor["quorums"].index(q) + 1]
+        assert after["committed"] and after["participants"] == 2
+    # Both survivors end on one model, after the same syncs.
+    assert r0["acco_syncs"] == r2["acco_syncs"]
+    assert torch.equal(r0["final"], r2["final"])
+    assert not torch.equal(r0["final"], r0["committed"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_no_quorum_says_so_while_waiting_then_raises(tmp_path):
+    """min_replicas 2 with one replica: a progress line every 10 s, then an error after quorum_timeout_s that
+    names the lighthouse, min_replicas and the fix; the replica exits non-zero instead of hanging."""
+    cfg = ft_config(min_replicas=2)
+    cfg["acco"]["fault_tolerance"]["quorum_timeout_s"] = 12
+    with Fleet(tmp_path, min_replicas=2) as fleet:
+        fleet.start("r0", {"config": cfg, "steps": 2})
+        t0 = time.monotonic()
+        codes = fleet.wait("r0", 200)
+        log = fleet.logs("r0", tail=20000)
+    assert codes != [0]
+    assert "waiting for a quorum of at least 2 replica(s)" in log, log
+    assert "found no quorum of at least min_replicas=2 replica(s)" in log and "raise quorum_timeout_s" in log, log
+    assert time.monotonic() - t0 < 150
+
+
+def test_bad_settings_are_refused_by_name(monkeypatch):
+    """Each refusal names the key and the fix; an unreachable lighthouse fails within timeout_s."""
+    def refused(block, needle):
+        with pytest.raises(ValueError) as err:
+            parse_acco_config({"acco": {"enabled": True, **block}})
+        assert needle in str(err.value), str(err.value)
+
+    refused({"mode": "acco", "fault_tolerance": {}}, 'acco.fault_tolerance lets the replicas of a local-SGD mode')
+    refused({"mode": "diloco", "fault_tolerance": {}, "compression": {"dtype": "int8"}},
+            'Set acco.compression.apply_to to ["rounds"]')
+    refused({"mode": "edit", "local_sgd": {"anomaly": {"enabled": True}}, "fault_tolerance": {}},
+            "acco.local_sgd.anomaly.enabled cannot run with acco.fault_tolerance")
+    refused({"mode": "edit", "local_sgd": {"weighting": "norm"}, "fault_tolerance": {}},
+            'acco.local_sgd.weighting="norm" cannot run with acco.fault_tolerance')
+    refused({"mode": "diloco", "fault_tolerance": {"merge": "sum"}}, '"acco.fault_tolerance.merge"')
+    refused({"mode": "diloco", "fault_tolerance": {"min_replica": 2}}, 'unknown key "acco.fault_tolerance.min_replica"')
+    ok = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "fault_tolerance": {},
+                                     "compression": {"dtype": "int8", "apply_to": ["rounds"]}}})
+    assert host_problems(ok, 2, 2, 2) == []  # one launch, one replica of all its ranks
+    bad = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "local_sgd": {"replica_group_size": 1},
+                                      "fault_tolerance": {}}})
+    assert "with acco.fault_tolerance one launch is one replica" in host_problems(bad, 2, 2, 2)[0]
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    ft = FaultToleranceConfig(timeout_s=2)
+    with pytest.raises(ValueError, match="set TORCHFT_LIGHTHOUSE .* or acco.fault_tolerance.lighthouse"):
+        ft.check_lighthouse()
+    with pytest.raises(ValueError, match="set REPLICA_GROUP_ID"):
+        ft.resolved_replica_id()
+    with pytest.raises(ValueError, match="must end in a number"):
+        FaultToleranceConfig(replica_id="east").resolved_replica_id()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        ft.check_lighthouse()
+    assert time.monotonic() - t0 < 3
+    assert "cannot reach the torchft lighthouse" in str(err.value) and "(TORCHFT_LIGHTHOUSE)" in str(err.value)
+    assert "torchft_lighthouse --min_replicas" in str(err.value)
