@@ -59,7 +59,8 @@ def run_label(config):
         return "stock ZeRO-1"
     mode = acco.get("mode", "acco")
     if mode in ("diloco", "co2", "edit"):  # the local-SGD family: replicas synced every period
-        return mode + (" (A-EDiT)" if "sync_time_s" in acco.get("local_sgd", {}) else "")
+        return mode + (" (A-EDiT)" if "sync_time_s" in acco.get("local_sgd", {}) else "") + \
+            (" (fault-tolerant replica)" if "fault_tolerance" in acco else "")
     return mode + "/" + acco.get("accumulation", "fixed")
 
 
@@ -114,13 +115,17 @@ def main():
                                          config=config)
     device = engine.device
     micro_bs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    train = Batches(data[:split], args.block_size, micro_bs, seed=args.seed + 1 + rank)  # each rank its own
+    # Each rank its own stream; with fault tolerance each launch is one replica (REPLICA_GROUP_ID), so its
+    # ranks are numbered after the earlier replicas' ranks.
+    replica = int(os.environ.get("REPLICA_GROUP_ID", 0)) if "fault_tolerance" in config.get("acco", {}) else 0
+    train = Batches(data[:split], args.block_size, micro_bs, seed=args.seed + 1 + replica * world + rank)
     val = Batches(data[split:], args.block_size, micro_bs, seed=args.seed)
     tokens_per_step = micro_bs * gas * world * args.block_size
     label = run_label(config)
     # A-EDiT syncs on wall time: replicas run different step counts, so the loop counts syncs, which every
-    # rank agrees on (a loop on global_steps would leave ranks waiting for each other's collectives).
-    timed = label.endswith("(A-EDiT)")
+    # rank agrees on (a loop on global_steps would leave ranks waiting for each other's collectives). So does a
+    # fault-tolerant replica, which may join late: syncs count the global model's, whoever took part.
+    timed = label.endswith("(A-EDiT)") or label.endswith("replica)")
     target = args.syncs if timed else args.steps
 
     def progress():

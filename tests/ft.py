@@ -18,6 +18,7 @@ from pathlib import Path
 from dist import HERE, ROOT, free_port
 
 LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
 
 
 class Fleet:
@@ -42,8 +43,9 @@ class Fleet:
     def __exit__(self, *exc):
         self.close()
 
-    def start(self, name: str, spec: dict, ranks: int = 1, replica_id=None, env=None):
-        """Launch replica ``name`` (``ranks`` processes running the worker on ``spec``)."""
+    def start(self, name: str, spec: dict, ranks: int = 1, replica_id=None, env=None, torchrun: bool = False):
+        """Launch replica ``name``: ``ranks`` processes running the worker on ``spec``, started here, or by
+        ``torchrun`` (one process group, killed as a whole)."""
         spec_path = self.workdir / f"{name}.json"
         spec_path.write_text(json.dumps(spec))
         port = free_port()
@@ -54,6 +56,14 @@ class Fleet:
                     PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
                     **(env or {}))
         procs = []
+        if torchrun:
+            log = open(self.workdir / f"{name}.rank0.log", "w")
+            procs.append(subprocess.Popen([TORCHRUN, "--nproc_per_node", str(ranks), "--master_port", str(port),
+                                           str(self.worker), str(spec_path), str(self.workdir), name],
+                                          env=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+            self.replicas[name] = procs
+            return procs
         for rank in range(ranks):
             log = open(self.workdir / f"{name}.rank{rank}.log", "w")
             procs.append(subprocess.Popen([sys.executable, str(self.worker), str(spec_path), str(self.workdir), name],
@@ -66,7 +76,10 @@ class Fleet:
     def kill(self, name: str) -> None:
         for p in self.replicas[name]:
             if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
+                try:  # a torchrun launch: its agent and every worker
+                    os.killpg(p.pid, signal.SIGKILL) if os.getpgid(p.pid) == p.pid else p.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for p in self.replicas[name]:
             p.wait()
 

@@ -1,6 +1,8 @@
-"""One rank of one replica in a fault-tolerance test (started by tests/ft.py): DeepSpeed with an
-``acco.fault_tolerance`` block, trained until ``spec["syncs"]`` outer syncs (or ``spec["steps"]`` inner
-steps); writes its progress after every sync and what it saw to ``<name>.rank<r>.pt``.
+"""One rank of one replica in a fault-tolerance test (started by tests/ft.py, directly or under torchrun):
+``spec["host"]`` "deepspeed" (default) or "torch" (``acco_ds.torch``, a plain module, or FSDP2 with
+``spec["fsdp"]``), an ``acco.fault_tolerance`` block, trained until ``spec["syncs"]`` outer syncs (or
+``spec["steps"]`` inner steps); writes its progress after every sync and what it saw to
+``<name>.rank<r>.pt``.
 
 Fault injection: ``die_at_micro`` (SIGKILL of every rank of this replica before that micro-batch, i.e.
 mid-period). The test steers a running replica through ``<workdir>/control.json``: ``{"die": {name: n}}``
@@ -15,28 +17,93 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 import common
-from workers import flat, read_weights
+
+
+class DeepSpeedHost:
+    def __init__(self, spec):
+        import deepspeed
+
+        import acco_ds
+        from workers import flat, read_weights
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
+        model = common.make_model(spec.get("seed", 0), spec.get("model", "tiny"))
+        self.engine, _, _, _ = acco_ds.initialize(model=model, model_parameters=model.parameters(),
+                                                  config=spec["config"])
+        self.outer, self.flat, self.read = self.engine.optimizer.outer, flat, read_weights
+
+    def step(self, batches) -> None:
+        for batch in batches:  # a round may end (and commit) in any backward
+            self.engine.backward(common.loss_fn(self.engine, batch))
+            self.engine.step()
+
+    def weights(self):
+        return self.flat(self.engine.module), self.read(self.engine)
+
+    def finish(self):
+        self.engine.acco_finalize()
+        final = self.read(self.engine)
+        e = self.engine
+        out = {"final": final, "global_steps": e.global_steps, "acco_syncs": e.acco_syncs,
+               "stats": {k: v for k, v in e.acco_stats().items() if k != "last_rounds"}, "report": e.acco_report()}
+        e.destroy()
+        return out
+
+
+class TorchHost:
+    def __init__(self, spec):
+        import acco_ds.torch
+        from torch_workers import flat
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        model = common.make_model(spec.get("seed", 0), spec.get("model", "tiny"))
+        if spec.get("fsdp"):
+            from torch.distributed.fsdp import fully_shard
+            mesh = acco_ds.torch.replica_mesh(dist.get_world_size())
+            for layer in model.layers if hasattr(model, "layers") else [model.fc1, model.fc2]:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = common.reference_optimizer("AdamW")(model)
+        self.model, self.optimizer = acco_ds.torch.initialize(model, optimizer, spec["config"])
+        self.outer, self.flat, self.gas = self.optimizer.outer, flat, spec["config"]["gradient_accumulation_steps"]
+        self.engine = self.optimizer  # global_steps and acco_syncs, as on the engine
+
+    def step(self, batches) -> None:
+        for batch in batches:
+            (common.loss_fn(self.model, batch) / self.gas).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def weights(self):
+        with self.optimizer.committed_weights():
+            committed = self.flat(self.model)
+        return self.flat(self.model), committed
+
+    def finish(self):
+        import acco_ds.torch
+        o = self.optimizer
+        acco_ds.torch.finalize(self.model, o)
+        with o.committed_weights():
+            final = self.flat(self.model)
+        out = {"final": final, "global_steps": o.global_steps, "acco_syncs": o.acco_syncs,
+               "stats": {k: v for k, v in o.acco_stats().items() if k != "last_rounds"}, "report": o.acco_report()}
+        o.close()
+        return out
 
 
 def main():
     spec, workdir, name = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     replica = int(os.environ["REPLICA_GROUP_ID"])
-    import deepspeed
-
-    import acco_ds
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
-    model = common.make_model(spec.get("seed", 0), spec.get("model", "tiny"))
-    engine, _, _, _ = acco_ds.initialize(model=model, model_parameters=model.parameters(), config=spec["config"])
-    outer = engine.optimizer.outer
+    host = (TorchHost if spec.get("host") == "torch" else DeepSpeedHost)(spec)
+    engine, outer = host.engine, host.outer
     out = {"params": [], "committed": [], "syncs": [], "steps_at_join": engine.global_steps,
            "syncs_at_join": engine.acco_syncs, "quorums": []}
     blocking = outer._blocking_sync
     average = outer.transport.average
 
-    def observed_sync():  # what each sync did to the anchor (the test checks a discarded one left it alone)
+    def observed_sync():  # what each blocking sync did to the anchor (a discarded one must leave it alone)
         before = [t.clone() for t in outer.anchor]
         committed = blocking()
         out["quorums"].append({"committed": committed, "participants": outer.transport.participants,
@@ -60,6 +127,7 @@ def main():
     outer.transport.average = dying_average
     data_rank = replica * world + rank
     micro, last_syncs = 0, engine.acco_syncs
+    gas = spec["config"]["gradient_accumulation_steps"]
 
     def write_progress():
         path = os.path.join(workdir, f"{name}.rank{rank}.progress.json")
@@ -73,34 +141,27 @@ def main():
         return engine.global_steps < spec["steps"]
 
     write_progress()
-
     while more():
-        if spec.get("die_at_micro") == micro:
+        if spec.get("die_at_micro") is not None and micro >= spec["die_at_micro"]:
             os.kill(os.getpid(), signal.SIGKILL)
         before = engine.global_steps
-        loss = common.loss_fn(engine, common.micro_batch(data_rank, micro))
-        engine.backward(loss)
-        engine.step()
-        micro += 1
-        time.sleep(spec.get("sleep_per_micro", 0.0))
+        host.step([common.micro_batch(data_rank, micro + i) for i in range(gas)])
+        micro += gas
+        time.sleep(spec.get("sleep_per_step", 0.0))
         if engine.global_steps == before:
             continue
-        out["params"].append(flat(engine.module))
-        out["committed"].append(read_weights(engine))
+        params, committed = host.weights()
+        out["params"].append(params)
+        out["committed"].append(committed)
         if engine.acco_syncs != last_syncs:
             last_syncs = engine.acco_syncs
             out["syncs"].append({"syncs": last_syncs, "time": time.time(), "global_steps": engine.global_steps,
                                  "participants": outer.transport.participants})
             write_progress()
-    engine.acco_finalize()
-    out["final"] = read_weights(engine)
-    out["global_steps"], out["acco_syncs"], out["micro"] = engine.global_steps, engine.acco_syncs, micro
-    out["stats"] = {k: v for k, v in engine.acco_stats().items() if k != "last_rounds"}
-    out["report"] = engine.acco_report()
+    out.update(host.finish(), micro=micro)
     torch.save(out, os.path.join(workdir, f"{name}.rank{rank}.pt"))
-    engine.destroy()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
     and step count) and trains on. Then replica 1 dies inside an outer all-reduce: that sync is discarded on
     both survivors, whose anchor it leaves bit for bit as it was, and their next sync commits. The survivors
     end on the same committed weights after the same syncs, exit code 0."""
-    slow = {"sleep_per_micro": 0.25, "syncs": 10_000}  # the test says when to stop (control.json)
+    slow = {"sleep_per_step": 0.5, "syncs": 10_000}  # the test says when to stop (control.json)
 
     def syncs(name):
         return fleet.progress(name).get("syncs", -1)
@@ -180,3 +180,41 @@ def test_bad_settings_are_refused_by_name(monkeypatch):
     assert time.monotonic() - t0 < 3
     assert "cannot reach the torchft lighthouse" in str(err.value) and "(TORCHFT_LIGHTHOUSE)" in str(err.value)
     assert "torchft_lighthouse --min_replicas" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_torch_host_under_torchrun_heals_a_relaunched_replica(tmp_path):
+    """acco_ds.torch (plain module, no DeepSpeed), each replica a `torchrun --nproc_per_node 2` launch, Streaming
+    DiLoCo with 2 fragments and fragment_sync_delay 1 (the all-reduce in flight over an inner step). Replica 1
+    is SIGKILLed mid-run; replica 0 syncs on alone; the relaunch joins in the middle of a fragment's sync, heals
+    rank by rank, and both end on the same committed weights after the same syncs."""
+    cfg = {"gradient_accumulation_steps": GAS, "acco": {
+        "enabled": True, "mode": "diloco",
+        "local_sgd": {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1},
+        "fault_tolerance": {"min_replicas": 1, "timeout_s": 20, "quorum_timeout_s": 120}}}
+    spec = {"host": "torch", "config": cfg, "syncs": 10_000, "sleep_per_step": 0.3, "model": "deep"}
+
+    def syncs(name):
+        return fleet.progress(name).get("syncs", -1)
+
+    with Fleet(tmp_path, min_replicas=1) as fleet:
+        fleet.start("r0", spec, ranks=2, torchrun=True)
+        fleet.start("r1", {**spec, "die_at_micro": 20}, ranks=2, torchrun=True)
+        assert fleet.wait("r1", 240) != [0], "replica 1 was to die mid-run"
+        dead_at = syncs("r0")
+        fleet.wait_for(lambda: syncs("r0") >= dead_at + 2, 120, "replica 0 to sync on alone")
+        fleet.start("r1_again", spec, ranks=2, torchrun=True, replica_id=1)
+        fleet.wait_for(lambda: syncs("r1_again") >= 0, 240, "the relaunched replica to join")
+        joined = syncs("r1_again")
+        fleet.wait_for(lambda: syncs("r1_again") >= joined + 3, 120, "syncs after the join")
+        (tmp_path / "control.json").write_text(json.dumps(
+            {"stop_at_syncs": max(syncs("r0"), syncs("r1_again")) + 2}))
+        assert [fleet.wait(r, 240) for r in ("r0", "r1_again")] == [[0], [0]], fleet.logs("r1_again")
+    for rank in range(2):
+        r0, r1 = fleet.result("r0", rank), fleet.result("r1_again", rank)
+        assert r1["syncs_at_join"] > dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
+        assert r0["acco_syncs"] == r1["acco_syncs"] and torch.equal(r0["final"], r1["final"])
+        alone = [s for s in r0["syncs"] if dead_at < s["syncs"] <= dead_at + 2]
+        assert alone and all(s["participants"] == 1 for s in alone), r0["syncs"]
+        assert r0["stats"]["fragments"] == 2

@@ -55,7 +55,11 @@ class TorchFTTransport:
     worker = None  # the asynchronous averages are torchft's own works, no thread of ours
 
     def __init__(self, ft, groups, state: Callable[[], dict], load: Callable[[dict], None]):
-        import torchft  # only with acco.fault_tolerance: torchft is a dependency of this feature alone
+        try:  # only with acco.fault_tolerance: torchft is a dependency of this feature alone
+            import torchft
+        except ImportError as err:
+            raise ImportError("acco.fault_tolerance runs on torchft, which is not installed here: pip install "
+                              "'acco_ds[ft]' (or torchft), then relaunch") from err
         self.ft, self.groups, self._state, self._load = ft, groups, state, load
         self.lighthouse = ft.check_lighthouse()
         self.replica_id = ft.resolved_replica_id()

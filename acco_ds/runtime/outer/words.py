@@ -34,8 +34,10 @@ def report(loop) -> List[Tuple[str, str]]:
     """The summary lines of this mode, from ``stats()``."""
     s = loop.stats()
     period = loop.period_words()[1]
-    lines = [("replicas", f"{s['replicas']} replicas x {s['replica_group_size']} ranks ({_inner(loop)} inside each), "
-                          f"{period}")]
+    who = (f"this replica of {s['replica_group_size']} rank(s) ({_inner(loop)} inside), the others joined by torchft"
+           if loop.fault_tolerance is not None else
+           f"{s['replicas']} replicas x {s['replica_group_size']} ranks ({_inner(loop)} inside each)")
+    lines = [("replicas", f"{who}, {period}")]
     syncs = s["syncs"]
     hidden = s["outer_hidden_fraction"]
     overlap = ("blocking: nothing hidden" if loop.outer_comm is None else
