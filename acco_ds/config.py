@@ -195,31 +195,30 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
 
 
 def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, acco=None) -> None:
-    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds
-    anything: engines other than ``DeepSpeedEngine`` (pipeline, hybrid),
-    MoE, model parallelism."""
+    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds anything: the hybrid engine, MoE,
+    sequence parallelism, adaptive accumulation across pipeline stages."""
     from .deepspeed.compat import PipelineModule, check_instance, has_moe_layers
     problems = []
-    if ((ds_config or {}).get("hybrid_engine") or {}).get("enabled"):
+    ds_config = ds_config or {}
+    if (ds_config.get("hybrid_engine") or {}).get("enabled"):
         problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false} or '
                         '"acco": {"enabled": false}')
     if isinstance(model, PipelineModule):
         check_instance(model, "PipelineModule")
-    if isinstance(model, PipelineModule) and model.num_stages > 1:
-        problems.append(f"pipeline parallelism with {model.num_stages} stages is not supported by ACCO (its rounds "
-                        f"would need two pipeline flushes per step, or rounds spanning train_batch calls): use a "
-                        f"pipeline size of 1 (Megatron-DeepSpeed: --pipeline-model-parallel-size 1, or "
-                        f'--no-pipeline-parallel), or set "acco": {{"enabled": false}}')
-    if isinstance(model, PipelineModule) and acco is not None and acco.local:
-        problems.append('the local-SGD modes do not run on the pipeline engine yet: pass --no-pipeline-parallel '
-                        '(Megatron-DeepSpeed), or use acco.mode "acco", "dpu" or "sync"')
+    if isinstance(model, PipelineModule) and model.num_stages > 1 and acco is not None and \
+            acco.accumulation == "adaptive":
+        problems.append(f'acco.accumulation="adaptive" cannot run with {model.num_stages} pipeline stages: a '
+                        f'pipeline schedule runs a fixed number of micro-batches per train_batch(). Use '
+                        f'accumulation "fixed"')
     if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
         problems.append('ACCO does not support MoE layers (expert parallel groups): train without MoE or set '
                         '"acco": {"enabled": false}')
-    if mpu is not None and mpu.get_model_parallel_world_size() > 1 and acco is not None and acco.local:
-        problems.append(f'the local-SGD modes do not support tensor/model parallelism yet (model parallel size '
-                        f'{mpu.get_model_parallel_world_size()}): use acco.mode "acco", "dpu" or "sync" with it, or '
-                        f'a model parallel size of 1 (Megatron-DeepSpeed: --tensor-model-parallel-size 1)')
+    sp = max(int(ds_config.get("sequence_parallel_size", 1) or 1),
+             int(getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() or 1) if mpu is not None else 1)
+    if sp > 1:
+        problems.append(f"ACCO does not support sequence parallelism (size {sp}): its data-parallel rounds and "
+                        f"outer groups would have to span the sequence-parallel ranks, which hold one batch "
+                        f'together. Train without it (sequence_parallel_size 1) or set "acco": {{"enabled": false}}')
     _raise(problems)
 
 

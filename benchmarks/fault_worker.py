@@ -110,11 +110,8 @@ def main():
         get_accelerator().is_fp16_supported = lambda: True
     import deepspeed
     if os.environ.get("ACCO_FAULT_NO_SHM", "1") == "1":
-        # DeepSpeed's CPU backend JIT-loads its shared-memory all-reduce op (used by inference only) in
-        # init_distributed, under torch's build lock in the shared extension folder: skipped, so that the
-        # drill neither builds it in a private TORCH_EXTENSIONS_DIR nor waits on other processes' builds.
-        import deepspeed.comm.torch  # noqa: F401 - the attribute deepspeed.comm.torch is torch itself
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        from harness import skip_deepspeed_shm_op
+        skip_deepspeed_shm_op()  # nor builds it in a private TORCH_EXTENSIONS_DIR (the JIT scenario's)
 
     import acco_ds
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["pg_timeout"]))

@@ -119,7 +119,7 @@ def main(argv=None):
     import deepspeed
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                        f"{platform.system()} {platform.release()}",
-            "cpu": _cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": harness.cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "command": "python benchmarks/faults.py" +
             (f" --only {args.only}" if args.only else ""), "seconds": round(time.time() - t0, 1),
             "settings": "2 ranks, gloo on loopback (link row: veth pair between 2 namespaces), DS_ACCELERATOR=cpu, "
@@ -137,16 +137,6 @@ def main(argv=None):
                                       f"{meta['settings']}.\n\nCommand: `{meta['command']}` ({meta['seconds']} s)."
                                       f"\n\n{table}\n")
     return 0
-
-
-def _cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ set of rank processes with logs and deadlines, and the cleanup of all of it.
   TCP goodput check (``goodput()``); ``close()`` removes them, ``cleanup_leftovers()`` those of a run
   that was killed with SIGKILL. Addresses are only ever used inside these namespaces.
 * ``link_tx_bytes()``: inside a rank, the bytes sent so far on gloo's interface (GLOO_SOCKET_IFNAME).
+* ``CpuCap``: a CPU cgroup that holds a command and its children to a number of cores (one emulated node
+  per replica on a machine with fewer cores than replicas); ``wrap(argv)`` starts a command inside it.
+* ``cpu_name()``, ``skip_deepspeed_shm_op()`` (inside a rank: no JIT build of DeepSpeed's inference-only
+  op), ``processes_naming()`` (what a benchmark left running).
 * ``rank_env()``, ``RankSet``: one process per rank, started at once, each in its own session with its
   own log file; wait with a deadline, wait for a line in a log, signal one rank, kill them all.
   ``kill_everything()`` reaps every RankSet still alive (errors, Ctrl-C, SIGTERM).
@@ -36,6 +40,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (for a results header)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
 
 
 def sh(*cmd, check=True, timeout=30):
@@ -265,6 +281,95 @@ def link_tx_bytes():
     return sent, int(tcp[1][tcp[0].index("RetransSegs")])
 
 
+# -------------------------------------------------------------------- CPU caps
+CGROUP_V1_CPU, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+
+
+class CpuCap:
+    """A CPU cgroup that holds what ``wrap(argv)`` starts (and its children) to ``cores`` cores: the cgroup v1
+    ``cpu`` controller's CFS quota, or cgroup v2's ``cpu.max``; ``shares``: its weight against other work
+    (v1 ``cpu.shares``, a process's being 1024), so that a loaded machine still gives it its cores. ``close()`` removes it (its processes must be
+    gone: kill them first). ``CpuCap.unavailable()`` says why none can be made here (None when one can).
+    Named ``acco-<tag>-<pid of the creating process>-<n>``, like ``Network``'s namespaces."""
+
+    _created = 0
+    PERIOD_US = 100_000
+
+    def __init__(self, cores, tag="cap", shares=1024):
+        root = self._root()
+        name = f"acco-{tag}-{os.getpid()}-{CpuCap._created}"
+        CpuCap._created += 1
+        self.cores, self.path = cores, root / name
+        self.path.mkdir()
+        quota = int(cores * self.PERIOD_US)
+        try:
+            if root == CGROUP_V1_CPU:
+                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+                (self.path / "cpu.shares").write_text(str(shares))
+            else:
+                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+                (self.path / "cpu.weight").write_text(str(max(1, min(10000, shares * 100 // 1024))))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _root():
+        if (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
+            return CGROUP_V1_CPU
+        if "cpu" in (CGROUP_V2 / "cgroup.subtree_control").read_text().split():
+            return CGROUP_V2
+        raise OSError("no cgroup CPU controller: neither /sys/fs/cgroup/cpu (v1) nor cpu in "
+                      "/sys/fs/cgroup/cgroup.subtree_control (v2)")
+
+    @classmethod
+    def unavailable(cls):
+        if os.geteuid() != 0:
+            return "CPU cgroups need root (this process is not root)"
+        try:
+            cls._root()
+        except OSError as err:
+            return str(err)
+        return None
+
+    def wrap(self, argv):
+        """``argv`` started inside the cgroup (a shell moves itself in, then execs it: the pid stays the
+        command's)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs")] + list(argv)
+
+    def throttled(self):
+        """The share of scheduler periods in which the cap held its processes back (None: not known)."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines() if line.strip())
+        periods = int(stat.get("nr_periods", 0))
+        return round(int(stat.get("nr_throttled", 0)) / periods, 3) if periods else None
+
+    def close(self):
+        for _ in range(50):  # rmdir fails while a killed process is still being reaped
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def remove_leftover_caps():
+    """Remove the CPU cgroups of processes now gone (a SIGKILLed benchmark); returns their paths."""
+    removed = []
+    for root in (CGROUP_V1_CPU, CGROUP_V2):
+        for path in root.glob("acco-*") if root.exists() else ():
+            m = _NAME.match(path.name + "-")
+            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+                try:
+                    path.rmdir()
+                    removed.append(str(path))
+                except OSError:
+                    pass
+    return removed
+
+
 # ------------------------------------------------------------------------ ranks
 class DeadlineExceeded(Exception):
     pass
@@ -282,6 +387,15 @@ class Deadline:
     def check(self):
         if self.left() <= 0:
             raise DeadlineExceeded(f"exceeded its {self.seconds:.0f} s limit")
+
+
+def skip_deepspeed_shm_op():
+    """Inside a rank, before ``deepspeed.init_distributed``: DeepSpeed's CPU backend JIT-loads its
+    shared-memory all-reduce op (used by inference only) there, under torch's build lock in the extension
+    folder that every checkout on the machine shares (another venv's build makes the next load rebuild it,
+    minutes on 2 cores): skipped, so that a benchmark neither builds it nor waits on other processes' builds."""
+    import deepspeed.comm.torch  # noqa: F401 - the attribute deepspeed.comm.torch is torch itself
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def rank_env(rank, world, port, net=None, local_rank=None):
@@ -436,6 +550,20 @@ class RankSet:
             log.close()
         if self in _LIVE:
             _LIVE.remove(self)
+
+
+def processes_naming(marks):
+    """Processes still running (this one aside) whose command line holds one of ``marks`` (a work folder, a
+    port): what a benchmark checks it left behind, as ``"pid command line"``."""
+    left = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if p.name.isdigit() and int(p.name) != os.getpid() and any(m in cmd for m in marks):
+            left.append(f"{p.name} {cmd[:150]}")
+    return left
 
 
 def kill_everything():

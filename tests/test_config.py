@@ -149,18 +149,31 @@ def test_initialize_rejects_before_building_anything():
                            config=common.ds_config(acco={"mode": "acco"}, optimizer=None))
 
 
-def test_pipelines_of_more_than_one_stage_are_rejected_with_the_megatron_flag():
-    """Refused before DeepSpeed builds anything (a real 2-stage module needs 2 ranks: its stage count is set)."""
+def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anything():
+    """Pipeline stages > 1 train (tests/test_pipeline.py), but adaptive accumulation across stages, sequence
+    parallelism (DeepSpeed's key or an mpu's) and MoE are refused by name before DeepSpeed builds anything (a
+    real 2-stage module needs 2 ranks: its stage count is set)."""
+    import types
+
     from deepspeed.pipe import PipelineModule
 
     from acco_ds.config import check_before_initialize
     pipe = PipelineModule.__new__(PipelineModule)
     torch.nn.Module.__init__(pipe)
     pipe.num_stages = 2
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
-        check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True}}))
+    for mode in ("acco", "dpu", "sync", "diloco"):
+        check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True, "mode": mode}}))
+    adaptive = parse_acco_config({"acco": {"enabled": True, "accumulation": "adaptive"}})
+    with pytest.raises(ValueError, match='accumulation="adaptive" cannot run with 2 pipeline stages'):
+        check_before_initialize(pipe, None, {}, adaptive)
     pipe.num_stages = 1
-    check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True}}))
+    check_before_initialize(pipe, None, {}, adaptive)
+    acco = parse_acco_config({"acco": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 2\)"):
+        check_before_initialize(common.make_model(), None, {"sequence_parallel_size": 2}, acco)
+    mpu = types.SimpleNamespace(get_sequence_parallel_world_size=lambda: 4, get_model_parallel_world_size=lambda: 1)
+    with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 4\)"):
+        check_before_initialize(common.make_model(), mpu, {}, acco)
 
 
 def test_config_from_args_deepspeed_config(tmp_path):

@@ -1,5 +1,7 @@
-"""DeepSpeed's PipelineEngine at pipeline size 1 (Megatron-DeepSpeed's default engine, without
---no-pipeline-parallel): train_batch() with ACCO matches the simulator; sync matches stock; resume is exact."""
+"""DeepSpeed's PipelineEngine (Megatron-DeepSpeed's default engine). At pipeline size 1 (without
+--no-pipeline-parallel): train_batch() with ACCO matches the simulator; sync matches stock; resume is exact. With
+two stages: sync, dpu, acco and diloco match the simulator of the unsplit model, resume is exact, and a weight
+tied across stages is reduced as stock does."""
 
 import pytest
 import torch
@@ -31,3 +33,69 @@ def test_pipeline_engine_with_acco_matches_the_simulator_and_resumes(tmp_path):
     assert start == saved["global_steps"] and start < STEPS
     for got, want in zip(resumed["params"], acco["params"][start:]):
         assert torch.equal(got, want), (got - want).abs().max()
+
+
+def _whole(results, run, steps):
+    """Per data-parallel rank, the unsplit model's flat parameters after each step, from its two stages."""
+    by = {(r[run]["layout"]["stage"], r[run]["layout"]["dp"]): r[run] for r in results}
+    return [[torch.cat([by[(0, dp)]["params"][s].reshape(-1), by[(1, dp)]["params"][s].reshape(-1)])
+             for s in range(steps)] for dp in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_two_pipeline_stages_match_the_unsplit_simulator(tmp_path):
+    """PP 2 x DP 2 on 4 ranks (one Linear per stage): sync, dpu, acco (two pipeline flushes per step, clipping
+    on) and diloco (2 replicas of one data-parallel rank, each with both stages, synced per stage; the anchor
+    users read) match the float64 simulator of the unsplit model after every step; the norm every stage
+    reports is the whole model's. acco saved after 3
+    train_batch calls resumes bit for bit."""
+    from acco_ds.config import ACCOConfig
+    from acco_ds.testing.simulator import simulate_local_sgd
+    clip, ckpt = 0.05, str(tmp_path / "ckpt")
+    diloco = {"mode": "diloco", "local_sgd": {"sync_every": 2, "replica_group_size": 1}}
+    runs = [dict(config=common.ds_config(acco={"mode": m}, clip=clip if m == "acco" else 0.0), steps=STEPS, pipe=2)
+            for m in ("sync", "dpu", "acco")]
+    runs += [dict(config=common.ds_config(acco=diloco, gas=2), steps=STEPS, pipe=2, record_committed=True),
+             dict(config=common.ds_config(acco={"mode": "acco"}, clip=clip), steps=100, pipe=2, max_micro=12,
+                  save=ckpt)]
+    results = launch({"runs": runs}, world_size=4, timeout=500)
+    for i, mode in enumerate(("sync", "dpu", "acco")):
+        ref = reference(mode, clip=clip if mode == "acco" else 0.0)
+        for dp, params in enumerate(_whole(results, i, STEPS)):
+            assert_matches(params, ref["params"])
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r[i]["norms"], dtype=torch.float64),
+                                       torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    acco = results[0][2]
+    assert acco["applied"][:3] == [False, True, True], "one train_batch is one step, the first commits nothing"
+    s = ACCOConfig(enabled=True, **diloco).outer
+    ref = simulate_local_sgd("diloco", common.make_model(0), common.loss_fn, common.micro_batch, world_size=2,
+                             group_size=1, gradient_accumulation_steps=2, steps=STEPS, sync_every=2,
+                             optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=s["outer_lr"],
+                             outer_momentum=s["outer_momentum"], nesterov=s["nesterov"], dtype=torch.float64)
+    for dp, params in enumerate(_whole(results, 3, STEPS)):  # what users read: the anchor (the global model)
+        assert_matches(params, ref["anchor"])
+    assert not torch.equal(ref["anchor"][0], ref["anchor"][1]), "the anchor moves at the sync"
+    resumed = launch({"runs": [dict(config=common.ds_config(acco={"mode": "acco"}, clip=clip), steps=STEPS, pipe=2,
+                                    load=ckpt)]}, world_size=4, timeout=300)
+    for rank in range(4):
+        got, want = resumed[rank][0], next(r[2] for r in results if r[2]["layout"] == resumed[rank][0]["layout"])
+        start = got["loaded"]["global_steps"]
+        assert 0 < start < STEPS
+        for a, b in zip(got["params"], want["params"][start:]):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.timeout(400)
+def test_a_weight_tied_across_stages_is_reduced_as_stock_does():
+    """A weight tied between the first and the last stage (Megatron's tied word embeddings), PP 2 x DP 2: ACCO's
+    sync mode equals stock ZeRO-1 step for step, and the tied copies stay equal on both stages."""
+    runs = [dict(config=common.ds_config(acco={"mode": "sync"}), steps=STEPS, pipe=2, tied=True),
+            dict(config=common.ds_config(), steps=STEPS, pipe=2, tied=True, use_acco_initialize=False)]
+    results = launch({"runs": runs}, world_size=4, timeout=350)
+    for r in results:
+        assert_matches(r[0]["params"], [p.double() for p in r[1]["params"]], atol=1e-6, rtol=1e-6)
+        assert r[0]["tied"] is not None
+    for dp in range(2):
+        first, last = [next(r[0]["tied"] for r in results if r[0]["layout"] == {"stage": s, "dp": dp}) for s in (0, 1)]
+        assert torch.equal(first, last), "the tied copies drifted apart"

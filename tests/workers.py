@@ -39,6 +39,16 @@ class IncrementLR:
         return [g["lr"] for g in self.optimizer.param_groups]
 
 
+def tied_layers():
+    """A pipeline with a weight tied across its first and last stage (Megatron's tied word embeddings)."""
+    import torch.nn.functional as F
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    return [LayerSpec(torch.nn.Linear, 7, 8), TiedLayerSpec("tied", torch.nn.Linear, 8, 8, bias=False),
+            LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, 8, 8),
+            TiedLayerSpec("tied", torch.nn.Linear, 8, 8, bias=False, forward_fn=lambda m, x: F.linear(x, m.weight.t())),
+            LayerSpec(torch.nn.Linear, 8, 3)]
+
+
 def flat(module):
     return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()]).clone()
 
@@ -76,10 +86,11 @@ def run(spec, rank, world):
         model, data_rank = tp.TPNet(mpu, spec.get("seed", 0)), mpu.get_data_parallel_rank()
     else:
         model = common.make_model(spec.get("seed", 0), spec.get("model", "tiny"))
-    if spec.get("pipe"):  # DeepSpeed's pipeline engine at pipeline size 1 (Megatron-DeepSpeed's default)
+    if spec.get("pipe"):  # DeepSpeed's pipeline engine (Megatron-DeepSpeed's default), spec["pipe"] stages
         from deepspeed.pipe import PipelineModule
-        model = PipelineModule(layers=[model.fc1, torch.nn.Tanh(), model.fc2], num_stages=1,
-                               loss_fn=lambda out, y: ((out.float() - y)**2).mean())
+        layers = tied_layers() if spec.get("tied") else [model.fc1, torch.nn.Tanh(), model.fc2]
+        model = PipelineModule(layers=layers, num_stages=int(spec["pipe"]), partition_method="type:Linear",
+                               loss_fn=lambda out, y: ((out.float() - y)**2).mean(), base_seed=spec.get("seed", 0))
     if spec.get("dtype") == "bf16":
         model = model.to(torch.bfloat16)
     if spec.get("dtype") == "fp16":
@@ -107,8 +118,12 @@ def run(spec, rank, world):
         register_outer_loop(mode, factory)
     key = spec.get("config_key", "config")
     engine, _, _, _ = init(model=model, model_parameters=params, **{key: config}, **kwargs)
+    layout = None
+    if int(spec.get("pipe", 0)) > 1:  # each stage's ranks read the data of their data-parallel rank
+        data_rank = engine.grid.get_data_parallel_id()
+        layout = {"stage": engine.stage_id, "dp": data_rank}
 
-    out = {"params": [], "norms": [], "losses": [], "applied": []}
+    out = {"params": [], "norms": [], "losses": [], "applied": [], "layout": layout}
     micro = 0
     clock = {"t": 0.0} if spec.get("fake_clock") else None
     if clock is not None:
@@ -231,6 +246,8 @@ def run(spec, rank, world):
             out["batch_size_error"] = str(err)
     out["global_steps"] = engine.global_steps
     out["micro"] = micro
+    if spec.get("tied"):  # this stage's copy of the tied weight
+        out["tied"] = next(w for w, _ in engine.module.get_tied_weights_and_groups()).detach().clone()
     if hasattr(engine, "acco_stats"):
         stats = engine.acco_stats()
         out["stats"] = {k: v for k, v in stats.items() if k != "last_rounds"}

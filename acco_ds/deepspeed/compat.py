@@ -81,6 +81,8 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
      "BF16_Optimizer)"),
     ("deepspeed.runtime.engine", "ZERO_OPTIMIZATION", "as the optimizer kind ZeRO-1 is built from"),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine", "as the base class of ACCOPipelineEngine"),
+    ("deepspeed.runtime.pipe", "schedule", "for the pipeline schedule's instructions the rounds follow "
+     "(TrainSchedule, BackwardPass, ReduceTiedGrads, ReduceGrads, OptimizerStep)"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "as the base class of the ACCO "
      "ZeRO-1 optimizer"),
     ("deepspeed.runtime.zero.utils", "ZeRORuntimeException", "to recognise ZeRO's own checkpoint errors"),
@@ -89,7 +91,7 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
      "replicated parameters"),
     ("deepspeed.moe.utils", "has_moe_layers", "to refuse MoE models before anything is built"),
-    ("deepspeed.pipe", "PipelineModule", "to refuse pipeline stages > 1 before anything is built"),
+    ("deepspeed.pipe", "PipelineModule", "to tell pipeline models apart before anything is built"),
     ("deepspeed.ops.adam", "FusedAdam", "to run the fused Peek for DeepSpeed's own Adam"),
     ("deepspeed.ops.op_builder.builder", "OpBuilder", "as the base of the native op builders"),
     ("deepspeed.ops.op_builder.builder", "CUDAOpBuilder", "as the base of the CUDA op builder"),
@@ -136,6 +138,18 @@ METHODS: Tuple[Tuple[str, str, Optional[Tuple[str, ...]], str], ...] = (
      "extended to restore ACCO's state"),
     ("DeepSpeedZeroOptimizer", "destroy", (), "extended to close ACCO's threads"),
     ("DeepSpeedZeroOptimizer", "loss_scale", None, "the current loss scale (a property)"),
+    ("PipelineEngine", "_INSTRUCTION_MAP", None, "extended: rounds follow the schedule's backward passes and "
+     "reductions (the map holds plain functions, so a subclass method would not be called)"),
+    ("PipelineEngine", "_train_schedule", (), "overridden: acco runs two pipeline flushes per step"),
+    ("PipelineEngine", "_exec_backward_pass", ("buffer_id",), "wrapped: beyond one stage every stage counts a "
+     "micro-batch after its backward"),
+    ("PipelineEngine", "_exec_reduce_tied_grads", (), "replaced beyond one stage: tied gradients are summed in "
+     "ACCO's accumulator"),
+    ("PipelineEngine", "_exec_reduce_grads", (), "replaced beyond one stage: the round ends there"),
+    ("TrainSchedule", "num_pipe_buffers", (), "the schedule interface TwoFlushSchedule implements"),
+    ("PipelineEngine", "is_last_stage", (), "the loss stage"),
+    ("PipelineModule", "get_tied_weights_and_groups", (), "the tied weights whose gradients ACCO sums across "
+     "stages"),
     ("OpBuilder", "_loaded_ops", None, "to share loaded ops with DeepSpeed's cache"),
     ("OpBuilder", "jit_load", ("verbose",), "to JIT-build the native ops"),
     ("OpBuilder", "absolute_name", (), "overridden: the AOT module's name"),
@@ -203,7 +217,12 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("zenflow", "to refuse ZenFlow, which replaces the same update"),
     ),
     "PipelineModule": (
-        ("num_stages", "to refuse more than one pipeline stage"),
+        ("num_stages", "the pipeline's stage count"),
+    ),
+    "PipelineEngine": (
+        ("num_stages", "more than one stage: rounds end at the schedule's reductions"),
+        ("stage_id", "this rank's stage (the schedule)"),
+        ("micro_batches", "micro-batches per train_batch (the schedule)"),
     ),
 }
 
@@ -260,6 +279,9 @@ def check_deepspeed() -> Dict[str, object]:
         "OpBuilder": resolved[("deepspeed.ops.op_builder.builder", "OpBuilder")],
         "CPUOpBuilder": resolved[("deepspeed.ops.op_builder.cpu.builder", "CPUOpBuilder")],
         "CUDAOpBuilder": resolved[("deepspeed.ops.op_builder.builder", "CUDAOpBuilder")],
+        "PipelineEngine": resolved[("deepspeed.runtime.pipe.engine", "PipelineEngine")],
+        "PipelineModule": resolved[("deepspeed.pipe", "PipelineModule")],
+        "TrainSchedule": resolved[("deepspeed.runtime.pipe", "schedule")].TrainSchedule,
     }
     for owner, name, params, why in METHODS:
         _check_method(classes[owner], name, params, why)
@@ -290,6 +312,7 @@ DeepSpeedEngine = _resolved[("deepspeed.runtime.engine", "DeepSpeedEngine")]
 BFLOAT16 = _resolved[("deepspeed.runtime.engine", "BFLOAT16")]
 ZERO_OPTIMIZATION = _resolved[("deepspeed.runtime.engine", "ZERO_OPTIMIZATION")]
 PipelineEngine = _resolved[("deepspeed.runtime.pipe.engine", "PipelineEngine")]
+pipe_schedule = _resolved[("deepspeed.runtime.pipe", "schedule")]
 DeepSpeedZeroOptimizer = _resolved[("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")]
 ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeException")]
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]

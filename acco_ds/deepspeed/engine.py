@@ -36,10 +36,10 @@ import torch.distributed as tdist
 
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.rounds.job import CommResult
+from ..runtime.comm.groups import every_group
 from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
 from . import checkpoint
-from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
-                     logger)
+from .compat import BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, check_instance, ds_engine, log_dist, logger
 from .compat import comm as dist
 from ..runtime.rounds.stats import banner, report_lines, round_stats
 from .progress import _report_commit, _say
@@ -90,8 +90,10 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         acco, groups = self.acco_config, None
         check_instance(self, "DeepSpeedEngine", ("seq_data_parallel_group", "communication_data_type"))
         if needs_replicas(acco.mode):  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
-            dp_ranks = tdist.get_process_group_ranks(self.seq_data_parallel_group or tdist.group.WORLD)
-            groups = make_groups(dp_ranks, replica_group_size(acco, len(dp_ranks)), acco.timeout_s)
+            # Every data-parallel group (one per tensor-parallel rank and pipeline stage) is cut into replicas
+            # alike, so a replica holds whole model-parallel groups.
+            dp_groups = every_group(self.seq_data_parallel_group)
+            groups = make_groups(dp_groups, replica_group_size(acco, len(dp_groups[0])), acco.timeout_s)
 
         def build(*args, **kwargs):
             if groups is not None:
@@ -129,14 +131,17 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         return kind
 
     # -------------------------------------------------------------- backward
+    _acco_rounds_in_backward = True  # False: the pipeline schedule ends them (deepspeed/pipeline.py)
+
     def _backward_epilogue(self):
         """After every backward (its gradients are already in the accumulator): count the micro-batch, and
         end the round when it is due."""
         self._stop_timers(self.engine_timers.backward_inner_timers)
         opt = self.optimizer
-        opt.count_micro_batch()
-        if opt.round_may_end():
-            self._acco_end_round()
+        if self._acco_rounds_in_backward:
+            opt.count_micro_batch()
+            if opt.round_may_end():
+                self._acco_end_round()
         opt.exit_backward()
         self._stop_timers(self.engine_timers.backward_timers)
 
@@ -286,17 +291,9 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         super().destroy()
 
 
-class ACCOPipelineEngine(ACCOEngine, PipelineEngine):
-    """ACCO on DeepSpeed's ``PipelineEngine`` at pipeline size 1: Megatron-DeepSpeed's default engine
-    (``GPTModelPipe``) without ``--no-pipeline-parallel``. ``train_batch()`` runs the micro-batches; each
-    backward goes through DeepSpeed's ``backward`` and so ends ACCO's rounds, and the step at the end of
-    the batch settles ``was_step_applied()`` as on the plain engine. Pipeline sizes above 1 are refused
-    before anything is built (``config.check_before_initialize``)."""
-
-
 def _replica_ranks(engine):
     opt = getattr(engine, "optimizer", None)
     return opt.outer.replica_ranks if isinstance(opt, ACCOZeroOptimizer) else None
 
 
-__all__ = ["ACCOEngine", "ACCOPipelineEngine"]
+__all__ = ["ACCOEngine"]

@@ -36,7 +36,8 @@ def resolve_config(args, config, config_params) -> dict:
 def _acco_engine_class():
     from .compat import package
     deepspeed = package()
-    from .engine import ACCOEngine, ACCOPipelineEngine
+    from .engine import ACCOEngine
+    from .pipeline import ACCOPipelineEngine
     with _lock:
         saved = deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine
         deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine = ACCOEngine, ACCOPipelineEngine

@@ -18,19 +18,24 @@ from typing import List, Tuple
 from .compat import is_model_parallel_parameter
 
 
-def norm_segments(opt) -> List[List[Tuple[int, int]]]:
-    """Per ZeRO-1 group, the (start, length) ranges of this rank's partition that count in the norm."""
+def norm_segments(opt, rank: int) -> List[List[Tuple[int, int]]]:
+    """Per ZeRO-1 group, the (start, length) ranges of ``rank``'s partition that count in the norm: on
+    model-parallel rank 0 every parameter but a pipeline stage's copy of a tied weight (``ds_pipe_replicated``,
+    counted on its first stage), elsewhere the model-parallel slices only."""
     out = []
     for i, params in enumerate(opt.round_robin_bit16_groups):
         part = int(opt.partition_size[i])
-        lo, hi = opt.rank * part, (opt.rank + 1) * part
-        if opt.model_parallel_rank == 0:
+        lo, hi = rank * part, (rank + 1) * part
+        counted = [(p, offset) for p, offset in zip(params, opt.round_robin_bit16_offsets[i])
+                   if not getattr(p, "ds_pipe_replicated", False) and
+                   (opt.model_parallel_rank == 0 or is_model_parallel_parameter(p))]
+        if len(counted) == len(params):
             out.append([(0, part)])  # everything counts (padding is zero)
             continue
         ranges = []
-        for p, offset in zip(params, opt.round_robin_bit16_offsets[i]):
+        for p, offset in counted:
             start, end = max(offset, lo), min(offset + p.numel(), hi)
-            if start < end and is_model_parallel_parameter(p):
+            if start < end:
                 ranges.append((start - lo, end - start))
         out.append(ranges)
     return out

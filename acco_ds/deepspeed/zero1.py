@@ -47,17 +47,21 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         side = replica_groups.replica_side if replica_groups is not None else side_group(group, acco_config.timeout_s)
         params = [list(zip(ps, offs)) for ps, offs in zip(self.round_robin_bit16_groups,
                                                           self.round_robin_bit16_offsets)]
+        # Tensor and pipeline parallelism: the norm counts each parameter once and is summed over the
+        # model-parallel group (the inner communication thread's copy; an outer loop's own copy for EDiT).
+        mp = self.model_parallel_world_size > 1
+        self.mp_side = side_group(self.model_parallel_group, acco_config.timeout_s) if mp else None
+        self.norm_segments = norm_segments(self, tdist.get_rank(group)) if mp else None
+        if mp and replica_groups is not None:
+            replica_groups.model_main = self.model_parallel_group
+            replica_groups.model_side = side_group(self.model_parallel_group, acco_config.timeout_s)
         self.setup_rounds(flats=self.bit16_groups_flat, masters=self.single_partition_of_fp32_groups,
                           optimizer=self.optimizer, params=params, group=group, side=side,
                           layout=node_layout(group, side, acco_config), crosses_nodes=crosses_nodes(group, acco_config),
                           replica_groups=replica_groups, accum_dtype=self.gradient_accumulation_dtype or self.dtype,
                           comm_dtype=communication_data_type or self.dtype, clip=self.clip_grad,
-                          fused_adamw=fused_adamw(self.optimizer))
-        # Tensor parallelism: the norm counts each parameter once and is summed over the model-parallel group
-        # (read by job_options when a job is submitted, after this).
-        tp = self.model_parallel_world_size > 1
-        self.mp_side = side_group(self.model_parallel_group, acco_config.timeout_s) if tp else None
-        self.norm_segments = norm_segments(self) if tp else None
+                          fused_adamw=fused_adamw(self.optimizer), norm_segments=self.norm_segments)
+        self._flat_place = {id(p): (i, offset) for i, group_params in enumerate(params) for p, offset in group_params}
 
     # ----------------------------------------------------- the driver's hooks
     def loss_scale_now(self) -> float:
@@ -74,6 +78,15 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
             self._lazy_init_hp_params_optimizer_state()
         if result.commits:
             account_loss_scale(self, rnd, result)
+
+    def reduce_tied(self, weights_and_groups) -> None:
+        """Pipeline stages: sum the tied weights' accumulated gradients over their tied groups, as stock sums
+        their ``.grad`` (ACCO's hooks moved them into the flat accumulator)."""
+        for weight, group in weights_and_groups:
+            place = self._flat_place.get(id(weight))
+            if place is not None:
+                i, offset = place
+                tdist.all_reduce(self.buffers[i].acc.narrow(0, offset, weight.numel()), group=group)
 
     # ------------------------------------------------------------------ hooks
     def create_gradient_handling_hooks(self):

@@ -83,7 +83,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     acco = settings.acco
     params = _check(model, optimizer)
     fsdp2 = any(_is_dtensor(p) for group in params for p in group)
-    groups = make_groups(list(range(world)), replica_group_size(acco, world), acco.timeout_s) if acco.local else None
+    groups = make_groups([list(range(world))], replica_group_size(acco, world), acco.timeout_s) if acco.local else None
     if fsdp2:
         if not acco.local:
             raise ValueError(f'acco_ds.torch: mode "{acco.mode}" does not run on an FSDP2 model. '

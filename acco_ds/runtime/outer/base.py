@@ -152,9 +152,10 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
         """A sync starts (``transport.begin``). A replica that just took its peer's state (``healed``) stands
         at the anchor: its masters are installed into its weights, and it contributes nothing to this sync."""
         healed = self.transport.begin()
-        if self.transport.fault_tolerant and self.groups.k > 1:  # torchft picks a heal source per rank: agree
+        if self.transport.fault_tolerant and tdist.get_world_size() > 1:
+            # torchft picks a heal source per rank: every rank of the launch (the replica) agrees.
             t = torch.tensor([float(healed)], device=self.shards.device)
-            tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.groups.replica_main)
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
             healed = bool(t.item())
         self.healed = healed
         if healed:

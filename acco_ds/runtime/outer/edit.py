@@ -71,11 +71,8 @@ class EDiT(LocalSGD):
         """A-EDiT: has the period's time passed? Every rank of the replica takes its slowest rank's time."""
         if not self.timed:
             return False
-        elapsed = self.clock() - self.period_start
-        if self.groups.k > 1:
-            t = torch.tensor([elapsed], dtype=torch.float64, device=self.anchor[0].device)
-            tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self.groups.replica_main)
-            elapsed = float(t)
+        # Every rank of the replica (its data- and model-parallel ranks) takes its slowest rank's time.
+        elapsed = self.groups.reduce(self.clock() - self.period_start, self.anchor[0].device, op=tdist.ReduceOp.MAX)
         self._elapsed = elapsed
         return elapsed >= self.local.sync_time_s
 
@@ -126,10 +123,8 @@ class EDiT(LocalSGD):
         clip = self.local.pseudo_grad_clip
         if clip is None:
             return mean_deltas
-        t = torch.tensor([squared_norm(mean_deltas)], dtype=torch.float64, device=self.anchor[0].device)
-        if self.groups.k > 1:
-            tdist.all_reduce(t, group=self.groups.replica_main)
-        scale = clip_scale(math.sqrt(float(t)), clip)
+        norm = math.sqrt(self.groups.reduce(squared_norm(mean_deltas, self.shards.norm_segments), self.anchor[0].device))
+        scale = clip_scale(norm, clip)
         return [d.mul_(scale) for d in mean_deltas] if scale != 1.0 else mean_deltas
 
     def stats(self) -> dict:

@@ -106,7 +106,7 @@ class LayerwiseSync:
             g = self.groups
             R, me = g.replicas, g.replica
             info = torch.zeros(3 * R, dtype=torch.float64, device=self.delta[0].device)
-            info[me] = self._replica_sum(squared_norm(self.delta))
+            info[me] = self._replica_sum(squared_norm(self.delta, self.shards.norm_segments))
             info[R + me], info[2 * R + me] = steps, elapsed
             tdist.all_reduce(info, group=g.outer_side)
             values = info.tolist()
@@ -124,7 +124,7 @@ class LayerwiseSync:
             else:
                 for c in range(len(self.chunks)):
                     self._reduce(c)
-                mean_norm = math.sqrt(self._replica_sum(squared_norm(self.delta)))
+                mean_norm = math.sqrt(self._replica_sum(squared_norm(self.delta, self.shards.norm_segments)))
                 scale = clip_scale(mean_norm, self.clip)
                 for c in range(len(self.chunks)):
                     self._install(c, anchor, momentum, outer, scale)
@@ -138,11 +138,7 @@ class LayerwiseSync:
             raise
 
     def _replica_sum(self, value: float) -> float:
-        if self.groups.k == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.delta[0].device)
-        tdist.all_reduce(t, group=self.groups.replica_side)
-        return float(t)
+        return self.groups.reduce(value, self.delta[0].device, side=True)
 
     def _reduce(self, c: int) -> None:
         i, lo, hi = self.chunks[c]

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as tdist
 from torch.distributed import ReduceOp
 
 PROGRESS_EVERY_S = 10.0  # a line while a quorum is awaited
@@ -67,8 +68,11 @@ class TorchFTTransport:
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=seconds), load_state_dict=self._heal, state_dict=self._state,
             min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=seconds,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=seconds, rank=groups.shard,
-            world_size=groups.k, replica_id=self.replica_id, lighthouse_addr=self.lighthouse, init_sync=True)
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=seconds,
+            # The launch is the replica: rank i of it (its data-, tensor- and pipeline-parallel position) meets
+            # rank i of every other replica.
+            rank=tdist.get_rank(), world_size=tdist.get_world_size(), replica_id=self.replica_id,
+            lighthouse_addr=self.lighthouse, init_sync=True)
         self.committed = 0  # syncs the global model took
         self.bytes = 0  # payload this rank handed to outer all-reduces
         self.discarded = 0
@@ -122,7 +126,7 @@ class TorchFTTransport:
                       f"{self.ft.min_replicas} replica(s) at {self.lighthouse}: {time.perf_counter() - t0:.0f} s of "
                       f"quorum_timeout_s={self.ft.quorum_timeout_s:g}", flush=True)
 
-        watcher = threading.Thread(target=say, daemon=True) if self.groups.shard == 0 else None
+        watcher = threading.Thread(target=say, daemon=True) if tdist.get_rank() == 0 else None
         if watcher is not None:
             watcher.start()
         try:
@@ -235,18 +239,18 @@ class JoinsAndHeals:
     def heal_state(self) -> dict:
         """What a healing replica's rank receives from this rank (copies: the transfer may run later)."""
         host = self.shards.host_state() if self.shards.host_state is not None else None
-        return {"replica_group_size": self.groups.k, "anchor": [t.clone() for t in self.anchor],
+        return {"replica_size": tdist.get_world_size(), "anchor": [t.clone() for t in self.anchor],
                 "momentum": [t.clone() for t in self.momentum], "syncs": self.transport.committed,
                 "loop": self.loop_state(), "host": host}
 
     @torch.no_grad()
     def heal_load(self, state: dict) -> None:
         """Take a live replica's state (inside ``begin``): this replica then stands at the anchor."""
-        if state["replica_group_size"] != self.groups.k:
-            raise ValueError(f"acco.fault_tolerance: this replica has {self.groups.k} rank(s) but the replica it "
-                             f"heals from has {state['replica_group_size']}: every replica must run the same number "
-                             f"of ranks (their shards of the anchor and of the inner optimizer state must match). "
-                             f"Relaunch it with {state['replica_group_size']} rank(s)")
+        if state["replica_size"] != tdist.get_world_size():
+            raise ValueError(f"acco.fault_tolerance: this replica has {tdist.get_world_size()} rank(s) but the "
+                             f"replica it heals from has {state['replica_size']}: every replica must run the same "
+                             f"number of ranks (their shards of the anchor and of the inner optimizer state must "
+                             f"match). Relaunch it with {state['replica_size']} rank(s)")
         for mine, saved in ((self.anchor, state["anchor"]), (self.momentum, state["momentum"]),
                             (self.shards.masters, state["anchor"])):
             for dst, src in zip(mine, saved):

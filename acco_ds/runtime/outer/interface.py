@@ -52,19 +52,40 @@ class ReplicaGroups:
     replica_side: object  # the inner communication thread's copy
     outer_main: object  # blocking outer collectives (main thread)
     outer_side: object  # the outer communication thread's copy
+    # Tensor/pipeline parallelism: the model-parallel group of this rank's position (None: none). Norms over a
+    # replica's parameters and A-EDiT's clock are summed (maxed) over it too, main thread and outer thread.
+    model_main: object = None
+    model_side: object = None
+
+    def reduce(self, value: float, device, side: bool = False, op=tdist.ReduceOp.SUM) -> float:
+        """``value`` summed (or ``op``) over every rank of this replica: its replica group, then its
+        model-parallel group. ``side``: from the outer communication thread (its own group copies)."""
+        groups = [self.replica_side if side else self.replica_main] if self.k > 1 else []
+        if self.model_main is not None:
+            groups.append(self.model_side if side else self.model_main)
+        if not groups:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        for group in groups:
+            tdist.all_reduce(t, op=op, group=group)
+        return float(t)
 
 
-def make_groups(dp_ranks: List[int], k: int, timeout_s: float) -> ReplicaGroups:
-    """Create every replica and outer group (collective: all ranks call it alike) and return this rank's."""
+def make_groups(dp_groups: List[List[int]], k: int, timeout_s: float) -> ReplicaGroups:
+    """Cut every data-parallel group (one per tensor-parallel rank and pipeline stage; the same list on every
+    rank) into replicas of ``k`` consecutive ranks, create every replica and outer group (collective: all
+    ranks call it alike) and return this rank's. The outer groups join the ranks of the same model-parallel
+    position and shard across replicas."""
     me = tdist.get_rank()
-    R = len(dp_ranks) // k
-    replicas = [dp_ranks[g * k:(g + 1) * k] for g in range(R)]
-    outers = [[replicas[g][i] for g in range(R)] for i in range(k)]
+    R = len(dp_groups[0]) // k
+    replicas = [dp[g * k:(g + 1) * k] for dp in dp_groups for g in range(R)]
+    outers = [[dp[g * k + i] for g in range(R)] for dp in dp_groups for i in range(k)]
     timeout = timedelta(seconds=timeout_s)
     made = [tdist.new_subgroups_by_enumeration(lists, timeout=timeout)[0]
             for lists in (replicas, replicas, outers, outers)]
-    g = next(i for i, ranks in enumerate(replicas) if me in ranks)
-    return ReplicaGroups(k, R, g, replicas[g].index(me), replicas[g], outers[replicas[g].index(me)], *made)
+    mine = next(ranks for ranks in replicas if me in ranks)
+    dp = next(ranks for ranks in dp_groups if me in ranks)
+    return ReplicaGroups(k, R, dp.index(me) // k, mine.index(me), mine, next(o for o in outers if me in o), *made)
 
 
 @dataclass
@@ -88,6 +109,9 @@ class Shards:
     # it takes them. None: the host cannot heal.
     host_state: Optional[Callable[[], dict]] = None
     load_host_state: Optional[Callable[[dict], None]] = None
+    # Tensor/pipeline parallelism: per group, the (start, length) ranges of this rank's master shard that count
+    # in a global norm (split parameters on every rank, replicated ones once; None: all of it).
+    norm_segments: Optional[List[List[Tuple[int, int]]]] = None
 
     @property
     def partition(self) -> List[int]:

@@ -57,7 +57,7 @@ class RoundDriver(OuterLoopHost):
     def setup_rounds(self, *, flats: List[torch.Tensor], masters: List[torch.Tensor], optimizer, params,
                      group, side, layout, crosses_nodes: bool, replica_groups, accum_dtype: torch.dtype,
                      comm_dtype: torch.dtype, clip: float = 0.0, fused_adamw: Optional[bool] = None,
-                     jit: Optional[bool] = None) -> None:
+                     jit: Optional[bool] = None, norm_segments: Optional[list] = None) -> None:
         """Build the buffers, hooks, communication thread and outer loop.
 
         ``flats``/``masters``: per parameter group, the flat compute parameters and this rank's fp32 master
@@ -92,7 +92,7 @@ class RoundDriver(OuterLoopHost):
         # The outer loop (local-SGD modes: this ZeRO-1 group is one replica, the loop syncs the replicas).
         shards = Shards(masters, flats, lambda: [buf.spare() for buf in self.buffers], params,
                         host_state=functools.partial(heal_state, self),
-                        load_host_state=functools.partial(load_heal_state, self))
+                        load_host_state=functools.partial(load_heal_state, self), norm_segments=norm_segments)
         self.outer: OuterLoop = build_outer_loop(acco, shards, replica_groups)
         self.host_counters = None  # the host's own counters, when each replica keeps its own (checkpoint)
         self.kept = KeptShard()
