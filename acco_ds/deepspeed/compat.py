@@ -84,6 +84,9 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "as the base class of the ACCO "
      "ZeRO-1 optimizer"),
     ("deepspeed.runtime.zero.utils", "ZeRORuntimeException", "to recognise ZeRO's own checkpoint errors"),
+    *(("deepspeed.checkpoint.constants", key, "to read and write ZeRO checkpoint files (a resharding load)")
+      for key in ("OPTIMIZER_STATE_DICT", "BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS", "GROUP_PADDINGS",
+                  "PARAM_ALIGNMENT_PADDINGS", "PARTITION_COUNT", "PARAM_SLICE_MAPPINGS")),
     ("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config", "to read the config from any place "
      "deepspeed.initialize accepts it"),
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
@@ -112,6 +115,10 @@ METHODS: Tuple[Tuple[str, str, Optional[Tuple[str, ...]], str], ...] = (
      "replica reads its own ranks' files"),
     ("DeepSpeedEngine", "_get_rank_zero_ckpt_name", ("checkpoints_path", "tag", "mp_rank", "dp_rank",
                                                       "bf16_mode"), "to name a rank's ZeRO checkpoint file"),
+    ("DeepSpeedEngine", "_load_zero_checkpoint", ("load_dir", "tag", "load_optimizer_states"), "overridden: a "
+     "checkpoint of another data-parallel size or replica layout is resharded"),
+    ("DeepSpeedEngine", "load_universal_checkpoint", (), "to leave universal checkpoints to DeepSpeed's own load"),
+    ("DeepSpeedEngine", "zero_load_from_fp32_weights", (), "to load a resharded checkpoint as stock would"),
     ("DeepSpeedEngine", "_stop_timers", ("timer_names",), "to keep DeepSpeed's backward timers"),
     ("DeepSpeedEngine", "_report_progress", ("step",), "for DeepSpeed's progress line"),
     ("DeepSpeedEngine", "set_train_batch_size", ("train_batch_size",), "overridden: rounds follow the new size"),
@@ -169,6 +176,13 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("dynamic_loss_scale", "whether the loss scale moves"),
         ("overflow", "written: stock's overflow flag, read by the engine"),
         ("_grad_acc_hooks", "written: stock's gradient hooks, none (ACCO's own hooks feed its accumulator)"),
+        ("groups_padding", "each group's padding on this rank (a resharded checkpoint's own)"),
+        ("round_robin_bit16_padding", "the parameter-alignment padding (a flat group's length)"),
+        ("partition_count", "ranks per group (a resharded checkpoint's own)"),
+        ("round_robin_gradients", "flat groups ordered by world size cannot be resharded"),
+    ),
+    "DeepSpeedEngine (a checkpoint loaded)": (
+        ("loaded_checkpoint_dp_world_size", "the data-parallel size the checkpoint was saved with"),
     ),
     "DeepSpeedEngine": (
         ("_config", "the parsed DeepSpeed config"),
@@ -292,6 +306,8 @@ ZERO_OPTIMIZATION = _resolved[("deepspeed.runtime.engine", "ZERO_OPTIMIZATION")]
 PipelineEngine = _resolved[("deepspeed.runtime.pipe.engine", "PipelineEngine")]
 DeepSpeedZeroOptimizer = _resolved[("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")]
 ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeException")]
+(OPTIMIZER_STATE_DICT, BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS, GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS,
+ PARTITION_COUNT, PARAM_SLICE_MAPPINGS) = (_resolved[(m, k)] for m, k, _ in IMPORTS if m == "deepspeed.checkpoint.constants")
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]
 is_model_parallel_parameter = _resolved[("deepspeed.runtime.utils", "is_model_parallel_parameter")]
 has_moe_layers = _resolved[("deepspeed.moe.utils", "has_moe_layers")]

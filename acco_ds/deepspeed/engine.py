@@ -37,7 +37,7 @@ import torch.distributed as tdist
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.rounds.job import CommResult
 from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
-from . import checkpoint
+from . import checkpoint, reshard
 from .compat import (BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, PipelineEngine, check_instance, ds_engine, log_dist,
                      logger)
 from .compat import comm as dist
@@ -245,6 +245,10 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         pending = self.optimizer.pending
         self.__dict__["_acco_applied"] = bool(pending is not None and pending.finite and pending.commits)
         return out
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        # Another data-parallel size or replica layout is resharded; the same layout is DeepSpeed's own load.
+        return reshard.load_zero_checkpoint(self, load_dir, tag, load_optimizer_states, super()._load_zero_checkpoint)
 
     def train(self, mode=True):
         # eval() shows the committed weights until train() gives the compute side its own back.

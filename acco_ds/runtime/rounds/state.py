@@ -73,6 +73,8 @@ def check_state(opt, acco: dict) -> None:
 
 def load_state(opt, acco: dict) -> None:
     """Restore what ``save_state`` saved into ``opt`` (rounds already reset)."""
+    if acco.get("resharded"):
+        return _load_resharded(opt, acco)
     opt.schedule.load_state_dict(acco["schedule"])
     opt.local_micro = int(acco["local_micro"])
     opt.round_scale = float(acco["round_scale"])
@@ -94,6 +96,19 @@ def load_state(opt, acco: dict) -> None:
     if opt.pending is not None:
         for buf, saved in zip(opt.buffers, acco["pending_part"]):
             collectives.all_gather_part(buf.gathered, saved, opt.rank, group)
+
+
+def _load_resharded(opt, acco: dict) -> None:
+    """A state ``runtime.reshard`` made for this layout: the rounds start afresh (nothing in flight, residuals
+    at zero); a local-SGD replica takes its compute weights and outer state, a round mode keeps the loaded
+    committed weights."""
+    for buf in opt.buffers:
+        if buf.residual is not None:
+            buf.residual.zero_()
+    for flat, saved in zip(opt.compute_flats, acco["compute_part"] or []):
+        collectives.all_gather_part(flat, saved, opt.rank, opt.comm.group)
+    opt.outer.load_state_dict(acco["outer"])
+    opt.host_counters = acco.get("host_counters")
 
 
 __all__ = ["save_state", "load_state", "check_state", "load_residuals"]
