@@ -103,14 +103,16 @@ def test_round_modes_drop_what_is_in_flight_and_say_so():
     p = plan(2, 2, 1, 1, 0, n=(146,), local=False)
     states = [rounds_state(local_micro=3, kept=2, pending={"op": "peek"}, residuals=[torch.ones(3)]),
               rounds_state(local_micro=3, kept=2)]
-    new = reshard_rounds(p, states, states, None, "acco", 4)
+    new = reshard_rounds(p, states, states, None, "acco", 8)  # the batch kept on fewer ranks: more accumulation
     assert new["resharded"] and new["world_size"] == 1 and new["compute_part"] is None and new["outer"] is None
+    assert new["gradient_accumulation_steps"] == 8
     text = p.message("ckpt")
     assert text.startswith("ACCO: resharded the checkpoint in ckpt from 2 data-parallel ranks to 1 data-parallel "
                            "rank: the fp32 master weights and the optimizer moments are re-partitioned"), text
     for words in ("3 accumulated micro-batches of the unfinished round", "the estimate round's kept gradient shard",
                   "a finished estimate whose weights were not installed yet", "rounds restart with a start-up round",
-                  "compression error-feedback residuals", "Not carried: per-rank random state"):
+                  "compression error-feedback residuals", "Not carried: per-rank random state",
+                  "Changed: gradient_accumulation_steps 4 -> 8."):
         assert words in text, text
     with pytest.raises(ValueError, match="saved with ACCO mode='acco' but this run has 'dpu'"):
         reshard_rounds(plan(2, 2, 1, 1, 0, local=False), states, states, None, "dpu", 4)

@@ -98,6 +98,7 @@ class Plan:
         self.old, self.new = layouts(old_k), layouts(new_k)
         self.dropped: List[str] = []
         self.not_carried: List[str] = []
+        self.changed: List[str] = []
 
     @property
     def mapped_ranks(self) -> List[int]:
@@ -147,6 +148,8 @@ class Plan:
             rule = ("the fp32 master weights and the optimizer moments are re-partitioned by ZeRO-1's rule; the "
                     "committed weights are the saved ones")
         text = f"ACCO: resharded the checkpoint in {where} {self.words()}: {rule}."
+        if self.changed:
+            text += " Changed: " + "; ".join(self.changed) + "."
         if self.dropped:
             text += " Dropped: " + "; ".join(self.dropped) + "."
         return text + " Not carried: " + "; ".join(self.not_carried + [
@@ -169,11 +172,14 @@ def reshard_rounds(plan: Plan, first: List[Optional[dict]], mine: List[Optional[
                              "but this run is a round mode: resume in the same mode, or load only the module "
                              "weights (load_optimizer_states=False)")
         _note_in_flight(plan, mine)
+        saved_gas = a0["gradient_accumulation_steps"]
+        if saved_gas != gradient_accumulation_steps:  # nothing carried depends on it: the rounds restart
+            plan.changed.append(f"gradient_accumulation_steps {saved_gas} -> {gradient_accumulation_steps}")
     elif not plan.local:
         plan.dropped.append("nothing in flight: the checkpoint holds no ACCO state (saved without ACCO)")
     return {
         "resharded": plan.words(), "world_size": plan.new_k, "rank": plan.shard,
-        "gradient_accumulation_steps": a0["gradient_accumulation_steps"] if a0 else gradient_accumulation_steps,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
         "compute_part": plan.piece([a["compute_part"] for a in mine]) if plan.local else None,
         "outer": outer.reshard_state([a and a.get("outer") for a in first], [a and a.get("outer") for a in mine],
                                      plan) if plan.local else None,
