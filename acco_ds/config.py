@@ -221,9 +221,6 @@ def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, a
                         f"would need two pipeline flushes per step, or rounds spanning train_batch calls): use a "
                         f"pipeline size of 1 (Megatron-DeepSpeed: --pipeline-model-parallel-size 1, or "
                         f'--no-pipeline-parallel), or set "acco": {{"enabled": false}}')
-    if isinstance(model, PipelineModule) and acco is not None and acco.local:
-        problems.append('the local-SGD modes do not run on the pipeline engine yet: pass --no-pipeline-parallel '
-                        '(Megatron-DeepSpeed), or use acco.mode "acco", "dpu" or "sync"')
     if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
         problems.append('ACCO does not support MoE layers (expert parallel groups): train without MoE or set '
                         '"acco": {"enabled": false}')

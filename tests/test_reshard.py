@@ -166,3 +166,16 @@ def test_streaming_drops_a_prepared_fragment_which_is_prepared_again_at_its_sync
     assert "fragment 0's prepared pseudo-gradient mean (prepared again, blocking, at its sync)" in p.message("c")
     with pytest.raises(ValueError, match="fragments=2 but this run has"):
         loop(StreamingDiLoCo, 2, 1, F=4, tau=1).reshard_state(states, states, p)
+
+
+def test_edit_restarts_its_detector_and_a_edit_names_its_counters():
+    from acco_ds.runtime.outer.edit import EDiT
+    n = 146
+    states = [outer_state(a, a, edit={"detector": {"mean": [1.0]}, "period_elapsed_s": 1.5, "anomalies": 2})
+              for a in split(torch.randn(n), n, 2)]
+    p = plan(4, 2, 2, 1, rank=1, n=(n,))
+    edit = loop(EDiT, 2, 1, sync=SimpleNamespace(detector=object()), per_replica_counters=True)
+    sd = edit.reshard_state(states, states, p)
+    assert sd["edit"] == {"detector": None, "period_elapsed_s": 1.5, "anomalies": 2}
+    text = p.message("c")
+    assert "EDiT's anomaly-detector statistics" in text and "A-EDiT's uneven step counts" in text, text

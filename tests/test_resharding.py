@@ -87,6 +87,9 @@ def check_local(zero, module, results, world, k, name):
     are old replica 0's, the replica's weights and fp32 master its mapped old replica's; training goes on."""
     old_k = zero[0]["acco"]["outer"]["k"]
     old_replicas = len(zero) // old_k
+    # DeepSpeed's ds_to_universal maps parameters from replica 0's files only: one copy of the model.
+    assert all(zero[r]["param_slice_mappings"][0] for r in range(old_k))
+    assert not any(sd["param_slice_mappings"][0] for sd in zero[old_k:])
     for rank in range(world):
         r, (replica, shard) = results[rank], divmod(rank, k)
         source = replica % old_replicas

@@ -140,10 +140,9 @@ class Plan:
         """The one warning of a resharding load (the host prints it on rank 0)."""
         if self.local:
             rule = (f"the anchor and the outer momentum (the same in every replica) come from old replica 0, "
-                    f"re-partitioned over {_count(self.new_k, 'rank')} per replica; the period position is kept; new "
-                    f"replica g takes its "
-                    f"weights, fp32 master and inner optimizer moments from old replica g mod "
-                    f"{self.old_replicas}")
+                    f"re-partitioned over {_count(self.new_k, 'rank')} per replica; the period position is kept; "
+                    f"new replica g takes its weights, fp32 master and inner optimizer moments from old replica g "
+                    f"mod {self.old_replicas}")
         else:
             rule = ("the fp32 master weights and the optimizer moments are re-partitioned by ZeRO-1's rule; the "
                     "committed weights are the saved ones")
@@ -166,7 +165,7 @@ def reshard_rounds(plan: Plan, first: List[Optional[dict]], mine: List[Optional[
         saved = a0["schedule"]["mode"]
         if saved != round_mode:
             raise ValueError(f"checkpoint was saved with ACCO mode={saved!r} but this run has {round_mode!r}: "
-                             f"resume with the same acco block and gradient_accumulation_steps")
+                             f"resume in the same mode, or load only the module weights (load_optimizer_states=False)")
         if not plan.local and a0.get("outer") is not None:
             raise ValueError("this checkpoint was saved in a local-SGD mode (it holds replicas and an outer state) "
                              "but this run is a round mode: resume in the same mode, or load only the module "
