@@ -19,7 +19,7 @@
 #
 #   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal]...
 #
-# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 20.
+# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
