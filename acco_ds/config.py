@@ -313,18 +313,19 @@ def checkpoint_mismatch(what: str, saved, now, replicas: bool = False) -> ValueE
     that many micro-batches. ``replicas`` (local-SGD modes): each rank's replica state and the outer state
     are sharded over the replica group."""
     weights_only = "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)"
+    reshard = ("another world size or replica_group_size is resharded when the whole checkpoint folder is "
+               "loaded (engine.load_checkpoint, acco_ds.torch.load)")
     if replicas:
         return ValueError(
             f"this local-SGD checkpoint was saved with {what}={saved} but this run has {now}. It holds, per rank, "
             f"that rank's replica (its weights and its shard of the inner optimizer state, split over the "
             f"replica_group_size ranks of its replica), the outer state (anchor, outer momentum) sharded the same "
-            f"way, and the position in the period: it resumes only with the same world size and "
-            f"acco.local_sgd.replica_group_size. To continue with another layout, load only the module weights, "
-            f"which are the committed global model ({weights_only}); the inner and outer optimizer states then "
-            f"start afresh")
+            f"way, and the position in the period. Resume with {what}={saved} ({reshard}), or load only the module "
+            f"weights, which are the committed global model ({weights_only}); the inner and outer optimizer states "
+            f"then start afresh")
     return ValueError(f"this ACCO checkpoint was saved with {what}={saved} but this run has {now}: its in-flight "
-                      f"gradients are per rank and per round. Resume with {what}={saved}, or load only the module "
-                      f"weights ({weights_only})")
+                      f"gradients are per rank and per round. Resume with {what}={saved} ({reshard}), or load only "
+                      f"the module weights ({weights_only})")
 
 
 __all__ = ["ACCOConfig", "ACCOEmulationConfig", "LocalSGDConfig", "AnomalyConfig", "LOCAL_SGD_MODES", "ROUND_MODES",

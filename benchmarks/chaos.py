@@ -1,7 +1,7 @@
 """Chaos benchmark (issue 41, item 5): replicas killed on a seeded schedule, fault-tolerant diloco (torchft)
 against today's single-launch diloco restarted from its last checkpoint.
 
-    python benchmarks/chaos.py                      # every run, about 20 minutes on 2 cores
+    python benchmarks/chaos.py                      # every run, about 17 minutes on 2 cores
     python benchmarks/chaos.py --only ft_free,ft_chaos --syncs 12
 
 Three replicas of one rank each train the GPT of examples/train_gpt.py (benchmarks/chaos_worker.py: the
@@ -308,7 +308,7 @@ def one_model(r):
 
 def markdown(res, goals, meta):
     head = (f"Machine: {meta['machine']}. {meta['settings']} Command: `{meta['command']}` ({meta['minutes']} min, "
-            f"{meta['date']}). The machine was shared with other jobs (load {meta['load']}): absolute times are "
+            f"{meta['date']}, code {meta['code']}). The machine was shared with other jobs (load {meta['load']}): absolute times are "
             f"noisy; ratios are between runs of this one invocation.\n\nFailure schedule (seed {meta['seed']}): "
             f"{meta['schedule_words']}.\n")
     lines = ["| run | wall s | syncs | committed tokens | goodput tok/s | vs failure-free | kills | recovery s "
@@ -467,6 +467,8 @@ def main(argv=None):
                          f"to {args.cores or 'uncapped'} CPU cores by a cgroup of cpu.shares {args.shares} (a process: "
                          f"1024; the single launch: 3x both); validation of the committed model (4 batches) at every "
                          f"sync."),
+            "code": harness.sh("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD").stdout.strip() + (" + uncommitted changes" if
+                    harness.sh("git", "-C", str(ROOT), "status", "--porcelain", "-uno").stdout.strip() else ""),
             "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else ""),
             "minutes": round((time.time() - t0) / 60, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "seed": args.seed, "schedule": schedule,

@@ -122,9 +122,10 @@ def test_truncated_checkpoint_gives_an_error(tmp_path):
 @pytest.mark.timeout(220)
 def test_checkpoint_from_other_settings(tmp_path):
     rows = {r["fault"]: r for r in run("mismatch", tmp_path, limit=200, mismatch_cases=[0, 1, 2, 4])}
-    ws = rows["ACCO checkpoint, 2 ranks -> 1 rank"]
-    assert len(ws["codes"]) == 1 and ws["codes"][0] != 0, ws
-    assert "world size of 2" in ws["message"] or "saved by 2 data-parallel ranks" in ws["message"], ws
+    ws = rows["ACCO checkpoint, 2 ranks -> 1 rank"]  # resharded (issue 38), and said so
+    assert len(ws["codes"]) == 1 and ws["loads"], ws
+    assert ws["warning"] and "resharded the checkpoint" in ws["warning"] and \
+        "from 2 data-parallel ranks to 1 data-parallel rank" in ws["warning"], ws
     for label, key in (("ACCO checkpoint, mode acco -> dpu", "mode"),
                        ("ACCO checkpoint, gradient_accumulation_steps 2 -> 4", "gradient_accumulation_steps")):
         r = rows[label]

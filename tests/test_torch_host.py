@@ -170,16 +170,57 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
 
 @slow
-@pytest.mark.timeout(300)
-def test_checkpoint_of_another_world_size_and_weights_only_load(tmp_path):
-    run([dict(config=config("acco"), steps=2, save_at=2, save=str(tmp_path / "c"))], world=2)
-    out = launch({"runs": [dict(config=config("acco"), steps=3, load=str(tmp_path / "c"))]}, world_size=1,
-                 timeout=200, worker=WORKER, expect_failure=True)
-    assert "saved by 2 ranks but this run has 1" in out[0][1] and "load_optimizer_states=False" in out[0][1]
-    r = launch({"runs": [dict(config=config("sync"), steps=3, load=str(tmp_path / "c"),
-                               load_kwargs={"load_optimizer_states": False})]}, world_size=1, timeout=200,
-               worker=WORKER)
-    assert r[0][0]["global_steps"] == 1 and r[0][0]["losses"][-1] < r[0][0]["losses"][0]
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_another_layout_is_resharded_and_a_weights_only_load(tmp_path):
+    """acco on a plain module saved on 4 ranks, loaded on 2: the committed weights are model.pt's, the masters and
+    moments a stock-style repartition of the saved ones, and training goes on. diloco on FSDP2 saved as 2
+    replicas of 2, loaded as 2 of 1: each replica's local shards are its mapped old replica's parameters, the
+    anchor old replica 0's. A partial or damaged checkpoint is refused on every rank by name; the weights
+    alone load into another layout and the optimizer starts afresh."""
+    from test_reshard import stock_partition
+    from test_resharding import damaged, loss_on
+    plain, fsdp = str(tmp_path / "c"), str(tmp_path / "f")
+    run([dict(config=config("acco"), steps=2, save_at=2, save=plain, groups=True),
+         dict(config=local("diloco", 2), steps=3, save_at=3, save=fsdp, fsdp=2)], world=4)
+    broken = damaged(plain, tmp_path, name="rank3.pt")
+    loads = [dict(config=config("acco"), steps=6, load=plain, groups=True, export_shards=True, finalize=True),
+             dict(config=local("diloco", 1), steps=6, load=fsdp, fsdp=1, export_shards=True, finalize=True)]
+    loads += [dict(config=config("acco"), steps=6, load=path, load_error=True) for _, path, _ in broken]
+    loads.append(dict(config=config("sync"), steps=3, load=plain, load_kwargs={"load_optimizer_states": False}))
+    out = launch({"runs": loads}, world_size=2, timeout=300, worker=WORKER, workdir=tmp_path / "logs")
+    files = [torch.load(f"{plain}/rank{r}.pt", weights_only=False) for r in range(4)]
+    committed = torch.cat([t.double().reshape(-1) for t in torch.load(f"{plain}/model.pt").values()])
+    for rank in range(2):
+        r = out[rank][0]
+        assert torch.equal(r["loaded"]["committed"], committed) and torch.equal(r["loaded"]["params"], committed)
+        for g, master in enumerate(r["loaded"]["masters"]):
+            old = [sd["masters"][g] for sd in files]
+            n = sum(p.numel() for p in common.param_groups(common.make_model(0))[g]["params"])
+            assert torch.equal(master, stock_partition(old, n, 2, rank)), g
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments = [sd["inner"]["state"][g][key] for sd in files]
+                assert torch.equal(r["loaded"]["inner"]["state"][g][key], stock_partition(moments, n, 2, rank))
+        assert r["global_steps"] >= 6
+    seen = [(w, i) for w in range(2) for i in range(8, out[w][0]["micro"])]  # what the resumed run trained on
+    assert loss_on(out[0][0]["final_params"], seen) < loss_on(committed, seen)
+    shards = [torch.load(f"{fsdp}/rank{r}.pt", weights_only=False) for r in range(4)]
+    for rank in range(2):  # new replica g <- old replica g (ranks 2g, 2g + 1); the anchor from old replica 0
+        r = out[rank][1]
+        for i, local_shard in enumerate(r["loaded"]["masters"]):
+            assert torch.equal(local_shard, torch.cat([sd["shards"][i] for sd in shards[2 * rank:2 * rank + 2]]))
+            assert torch.equal(r["loaded"]["outer"]["anchor"][i], torch.cat([sd["outer"]["anchor"][i]
+                                                                              for sd in shards[:2]]))
+        assert r["global_steps"] == 6 and torch.equal(r["final_params"], out[0][1]["final_params"])
+    for j, (how, _, name) in enumerate(broken, start=2):
+        for rank in range(2):
+            err = out[rank][j]["load_error"]
+            assert name in err and ("is partial" in err if how == "missing" else "truncated or corrupted" in err), err
+    r = out[0][-1]  # the weights alone, into another world size: the optimizer restarts from them
+    assert r["global_steps"] == 1 and r["losses"][-1] < r["losses"][0]
+    text = (tmp_path / "logs" / "rank0.log").read_text()
+    assert text.count("[acco_ds] ACCO: resharded the checkpoint") == 2, text[-3000:]
+    assert "from 4 data-parallel ranks to 2 data-parallel ranks" in text and "from 2 replicas x 2 ranks to 2 " \
+        "replicas x 1 rank" in text and "resharded" not in (tmp_path / "logs" / "rank1.log").read_text()
 
 
 @slow

@@ -1,6 +1,7 @@
 """One rank of a torch-host test (acco_ds.torch, no DeepSpeed): runs the scenarios in spec.json as a plain
 PyTorch loop and saves what it saw to result{rank}.pt. Started by tests/dist.py with worker=this file."""
 
+import copy
 import gc
 import json
 import os
@@ -69,7 +70,20 @@ def run(spec, rank, world):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor) if spec.get("lr_schedule") else None
     out, micro, start = {"params": [], "committed": [], "losses": []}, 0, 0
     if spec.get("load"):
+        if spec.get("load_error"):  # a checkpoint every rank must refuse: what each said
+            try:
+                acco_ds.torch.load(spec["load"], model, optimizer, **spec.get("load_kwargs", {}))
+            except Exception as err:  # noqa: BLE001 - the test reads the message
+                optimizer.close()
+                return {"load_error": f"{type(err).__name__}: {err}"}
+            raise AssertionError("the checkpoint loaded")
         client = acco_ds.torch.load(spec["load"], model, optimizer, **spec.get("load_kwargs", {}))
+        if spec.get("export_shards"):  # this rank's pieces right after the load
+            masters = getattr(optimizer, "master_shards", None) or getattr(optimizer, "locals", None)
+            out["loaded"] = {"masters": [m.detach().clone() for m in masters], "params": flat(model),
+                             "inner": copy.deepcopy(optimizer.inner.state_dict()), "outer": optimizer.outer.state_dict()}
+            with optimizer.committed_weights():
+                out["loaded"]["committed"] = flat(model)
         micro, start = client["micro"], client["step"]
         if scheduler is not None:
             scheduler.load_state_dict(client["scheduler"])
@@ -122,7 +136,7 @@ def run(spec, rank, world):
     if spec.get("finalize"):
         out["finalized"] = acco_ds.torch.finalize(model, optimizer)
         out["final_params"] = flat(model)
-    out["global_steps"], out["skipped_steps"] = optimizer.global_steps, optimizer.skipped_steps
+    out["global_steps"], out["skipped_steps"], out["micro"] = optimizer.global_steps, optimizer.skipped_steps, micro
     stats = optimizer.acco_stats()
     out["stats"] = {k: v for k, v in stats.items() if k not in ("last_rounds", "sync_history")}
     out["sync_history"], out["syncs"] = stats.get("sync_history"), optimizer.acco_syncs

@@ -75,6 +75,15 @@ def read_everything(engine, spec, rank, micro, out):
     out.setdefault("reads", []).append(seen)
 
 
+def shards(engine):
+    """This rank's pieces after a load: fp32 masters, inner optimizer state, compute weights, outer state."""
+    opt = engine.optimizer
+    inner = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state[m].items()}
+             for m in opt.single_partition_of_fp32_groups]
+    return {"masters": [m.detach().clone() for m in opt.single_partition_of_fp32_groups], "inner": inner,
+            "compute": flat(engine.module), "outer": opt.outer.state_dict()}
+
+
 def run(spec, rank, world):
     import deepspeed
 
@@ -133,10 +142,19 @@ def run(spec, rank, world):
         if spec.get("until_syncs"):  # A-EDiT: every rank consumed its own number of micro-batches
             position = json.load(open(os.path.join(spec["load"], f"position{rank}.json")))
             clock["t"] = position[1]  # before the load: it restarts the period timer from this clock
+        if spec.get("load_error"):  # a checkpoint every rank must refuse: what each said
+            try:
+                engine.load_checkpoint(spec["load"], **spec.get("load_kwargs", {}))
+            except Exception as err:  # noqa: BLE001 - the test reads the message
+                engine.destroy()
+                return {"load_error": f"{type(err).__name__}: {err}"}
+            raise AssertionError("the checkpoint loaded")
         _, client = engine.load_checkpoint(spec["load"], **spec.get("load_kwargs", {}))
         micro = client["micro"] if position is None else position[0]
         spec["start_step"] = engine.global_steps
         out["loaded"] = {"global_steps": engine.global_steps, "params": read_weights(engine)}
+        if spec.get("export_shards"):
+            out["loaded"].update(shards(engine))
     target = spec["steps"]
     last = engine.global_steps
 

@@ -86,6 +86,9 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "as the base class of the ACCO "
      "ZeRO-1 optimizer"),
     ("deepspeed.runtime.zero.utils", "ZeRORuntimeException", "to recognise ZeRO's own checkpoint errors"),
+    *(("deepspeed.checkpoint.constants", key, "to read and write ZeRO checkpoint files (a resharding load)")
+      for key in ("OPTIMIZER_STATE_DICT", "BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS", "GROUP_PADDINGS",
+                  "PARAM_ALIGNMENT_PADDINGS", "PARTITION_COUNT", "PARAM_SLICE_MAPPINGS")),
     ("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config", "to read the config from any place "
      "deepspeed.initialize accepts it"),
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
@@ -114,6 +117,10 @@ METHODS: Tuple[Tuple[str, str, Optional[Tuple[str, ...]], str], ...] = (
      "replica reads its own ranks' files"),
     ("DeepSpeedEngine", "_get_rank_zero_ckpt_name", ("checkpoints_path", "tag", "mp_rank", "dp_rank",
                                                       "bf16_mode"), "to name a rank's ZeRO checkpoint file"),
+    ("DeepSpeedEngine", "_load_zero_checkpoint", ("load_dir", "tag", "load_optimizer_states"), "overridden: a "
+     "checkpoint of another data-parallel size or replica layout is resharded"),
+    ("DeepSpeedEngine", "load_universal_checkpoint", (), "to leave universal checkpoints to DeepSpeed's own load"),
+    ("DeepSpeedEngine", "zero_load_from_fp32_weights", (), "to load a resharded checkpoint as stock would"),
     ("DeepSpeedEngine", "_stop_timers", ("timer_names",), "to keep DeepSpeed's backward timers"),
     ("DeepSpeedEngine", "_report_progress", ("step",), "for DeepSpeed's progress line"),
     ("DeepSpeedEngine", "set_train_batch_size", ("train_batch_size",), "overridden: rounds follow the new size"),
@@ -160,71 +167,7 @@ METHODS: Tuple[Tuple[str, str, Optional[Tuple[str, ...]], str], ...] = (
     ("CUDAOpBuilder", "is_compatible", ("verbose",), "extended: no CUDA build without a GPU unless asked"),
 )
 
-# Attributes DeepSpeed's constructors set, read (or written) by acco_ds: checked on the instance.
-INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
-    "DeepSpeedZeroOptimizer": (
-        ("optimizer", "the wrapped torch optimizer over the fp32 master shards"),
-        ("single_partition_of_fp32_groups", "the fp32 master shards the update writes"),
-        ("bit16_groups_flat", "the flat 16-bit parameters rounds gather into"),
-        ("round_robin_bit16_groups", "the parameters in flat order (views, hooks)"),
-        ("round_robin_bit16_offsets", "each parameter's offset in its flat group"),
-        ("round_robin_bit16_meta", "each parameter's shape in its flat group"),
-        ("partition_size", "each group's shard size"),
-        ("dp_process_group", "the group ZeRO-1 shards over"),
-        ("model_parallel_group", "the tensor-parallel group (global norm)"),
-        ("model_parallel_world_size", "whether tensor parallelism is on"),
-        ("model_parallel_rank", "which tensor-parallel slices this rank holds"),
-        ("device", "where buffers live"),
-        ("dtype", "the model's 16-bit dtype"),
-        ("gradient_accumulation_dtype", "the accumulator dtype (data_types.grad_accum_dtype)"),
-        ("gradient_accumulation_steps", "micro-batches per round"),
-        ("clip_grad", "gradient_clipping"),
-        ("loss_scaler", "fp16 dynamic loss scaling"),
-        ("dynamic_loss_scale", "whether the loss scale moves"),
-        ("overflow", "written: stock's overflow flag, read by the engine"),
-        ("_grad_acc_hooks", "written: stock's gradient hooks, none (ACCO's own hooks feed its accumulator)"),
-    ),
-    "DeepSpeedEngine": (
-        ("_config", "the parsed DeepSpeed config"),
-        ("module", "the user's model"),
-        ("optimizer", "the ZeRO-1 optimizer"),
-        ("lr_scheduler", "stepped once per committed step"),
-        ("global_steps", "counted per committed step"),
-        ("global_samples", "counted per committed step"),
-        ("skipped_steps", "counted per skipped (overflow) step"),
-        ("_step_applied", "written: was_step_applied()"),
-        ("_global_grad_norm", "written: get_global_grad_norm()"),
-        ("save_zero_checkpoint", "written: every replica saves its optimizer shards"),
-        ("seq_data_parallel_group", "the data-parallel group the replicas are cut from"),
-        ("dp_world_size", "the data-parallel world size"),
-        ("communication_data_type", "the reduce dtype (communication_data_type)"),
-        ("checkpoint_mp_rank", "the model-parallel rank in checkpoint names"),
-        ("engine_timers", "DeepSpeed's backward timers"),
-        ("global_rank", "rank-0 logging"),
-        ("monitor", "monitor events per committed step"),
-        ("steps_per_print", "the progress line's period"),
-    ),
-    "DeepSpeedConfig": (
-        ("zero_optimization_stage", "ZeRO stage 1 is required"),
-        ("zero_config", "zero_optimization's keys (overlap_comm, zenflow)"),
-        ("gradient_accumulation_steps", "micro-batches per round"),
-        ("world_size", "the data-parallel world size replicas are cut from"),
-        ("managed_gradient_accumulation", "ACCO drives accumulation itself"),
-        ("optimizer_name", "an optimizer is required"),
-    ),
-    "DeepSpeedZeroConfig": (
-        ("overlap_comm", "to say it is not used (rounds overlap instead)"),
-        ("zenflow", "to refuse ZenFlow, which replaces the same update"),
-    ),
-    "PipelineModule": (
-        ("num_stages", "the pipeline's stage count"),
-    ),
-    "PipelineEngine": (
-        ("num_stages", "more than one stage: rounds end at the schedule's reductions"),
-        ("stage_id", "this rank's stage (the schedule)"),
-        ("micro_batches", "micro-batches per train_batch (the schedule)"),
-    ),
-}
+from .attributes import INSTANCE_ATTRIBUTES  # noqa: E402 - the attribute list, checked below
 
 
 def _installed_version() -> Tuple[int, int]:
@@ -315,6 +258,8 @@ PipelineEngine = _resolved[("deepspeed.runtime.pipe.engine", "PipelineEngine")]
 pipe_schedule = _resolved[("deepspeed.runtime.pipe", "schedule")]
 DeepSpeedZeroOptimizer = _resolved[("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")]
 ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeException")]
+(OPTIMIZER_STATE_DICT, BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS, GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS,
+ PARTITION_COUNT, PARAM_SLICE_MAPPINGS) = (_resolved[(m, k)] for m, k, _ in IMPORTS if m == "deepspeed.checkpoint.constants")
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]
 is_model_parallel_parameter = _resolved[("deepspeed.runtime.utils", "is_model_parallel_parameter")]
 has_moe_layers = _resolved[("deepspeed.moe.utils", "has_moe_layers")]

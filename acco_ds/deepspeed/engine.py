@@ -38,7 +38,7 @@ from ..config import check_deepspeed_config, parse_acco_config, replica_group_si
 from ..runtime.rounds.job import CommResult
 from ..runtime.comm.groups import every_group
 from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
-from . import checkpoint
+from . import checkpoint, reshard
 from .compat import BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, check_instance, ds_engine, log_dist, logger
 from .compat import comm as dist
 from ..runtime.rounds.stats import banner, report_lines, round_stats
@@ -254,6 +254,10 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         pending = self.optimizer.pending
         self.__dict__["_acco_applied"] = bool(pending is not None and pending.finite and pending.commits)
         return out
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        # Another data-parallel size or replica layout is resharded; the same layout is DeepSpeed's own load.
+        return reshard.load_zero_checkpoint(self, load_dir, tag, load_optimizer_states, super()._load_zero_checkpoint)
 
     def train(self, mode=True):
         # eval() shows the committed weights until train() gives the compute side its own back.

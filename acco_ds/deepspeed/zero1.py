@@ -27,10 +27,11 @@ from ..config import ACCOConfig
 from ..runtime.rounds.driver import RoundDriver
 from ..runtime.rounds.job import CommResult
 from . import checkpoint
-from .compat import DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
+from .compat import PARAM_SLICE_MAPPINGS, DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 from .loss_scale import account_loss_scale
 from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
 from .parallel import norm_segments
+from .progress import _say
 
 
 class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
@@ -43,6 +44,7 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         DeepSpeedZeroOptimizer.__init__(self, *args, **kwargs)
         check_instance(self, "DeepSpeedZeroOptimizer")
         self.acco = acco_config
+        self.replica_index = replica_groups.replica if replica_groups is not None else 0
         group = self.dp_process_group if self.dp_process_group is not None else tdist.group.WORLD
         side = replica_groups.replica_side if replica_groups is not None else side_group(group, acco_config.timeout_s)
         params = [list(zip(ps, offs)) for ps, offs in zip(self.round_robin_bit16_groups,
@@ -113,6 +115,10 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         self.drain()
         sd = super().state_dict()
         sd[checkpoint.ACCO_STATE_KEY] = checkpoint.save_state(self)
+        if self.replica_index:
+            # DeepSpeed's ds_to_universal gathers each parameter's fragments from every file it maps: only
+            # replica 0's are mapped, so a universal checkpoint holds one copy of the model (replica 0's).
+            sd[PARAM_SLICE_MAPPINGS] = [{} for _ in sd[PARAM_SLICE_MAPPINGS]]
         return sd
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
@@ -125,6 +131,12 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         self.reset_rounds()
         if acco is not None:
             checkpoint.load_state(self, acco)
+        elif checkpoint_folder:  # DeepSpeed's universal checkpoint: weights and optimizer state, nothing in flight
+            self.outer.restart()
+            _say(f"ACCO: loaded the universal checkpoint {checkpoint_folder}: rounds restart with a start-up round "
+                 f"at its weights" + ("; the outer loop starts over from them (anchor = the loaded weights, outer "
+                 "momentum zero, a new period): a universal checkpoint holds no outer state (load_checkpoint of the "
+                 "acco_ds checkpoint itself carries it)" if self.outer.replica_ranks is not None else ""))
         elif load_optimizer_states and state_dict_list is not None:
             logger.warning("ACCO: the checkpoint has no ACCO state (saved without ACCO?); rounds restart "
                            "with a start-up round")

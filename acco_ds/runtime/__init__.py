@@ -11,5 +11,6 @@
   ``base`` (anchor, momentum, average, install, state), one module per loop (``diloco``, ``co2``,
   ``edit``, ``streaming``), ``update`` (the outer optimizer step), ``words``.
 
-``dtypes`` (DeepSpeed's dtype names) serves all three.
+``dtypes`` (DeepSpeed's dtype names) serves all three; ``reshard`` maps a checkpoint's per-rank pieces into
+another layout (another world size or replica layout) for the hosts' loads.
 """

@@ -8,14 +8,16 @@
 
 ``load`` restores everything (the run continues bit for bit), or with
 ``load_optimizer_states=False`` only the weights of ``model.pt``: the
-optimizer state and the outer loop then start afresh from them (another world
-size or replica layout is fine that way).
+optimizer state and the outer loop then start afresh from them. A checkpoint
+of another world size or replica layout is resharded (``torch/reshard.py``).
 """
 
 import os
 
 import torch
 import torch.distributed as tdist
+
+from .reshard import load_resharded, read, replica_size, saved_replica_size
 
 
 def _full(value):
@@ -44,7 +46,7 @@ def load(path, model, optimizer, load_optimizer_states: bool = True):
     meta_path = os.path.join(path, "meta.pt")
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"acco_ds.torch.load: {path} is not an acco_ds.torch checkpoint (no meta.pt)")
-    meta = torch.load(meta_path, weights_only=False)
+    meta = read(meta_path)
     if not load_optimizer_states:
         weights = torch.load(os.path.join(path, "model.pt"), weights_only=False)
         if hasattr(optimizer, "locals"):  # FSDP2: full tensors into the shards
@@ -54,16 +56,23 @@ def load(path, model, optimizer, load_optimizer_states: bool = True):
         else:
             model.load_state_dict(weights)  # the optimizer's load hook restarts from them
         return meta["client_state"]
-    if meta["world_size"] != world:
-        raise ValueError(f"acco_ds.torch.load: {path} was saved by {meta['world_size']} ranks but this run has "
-                         f"{world}: each rank's file holds its own optimizer shard and rounds. Resume on "
-                         f"{meta['world_size']} ranks, or load only the weights (load_optimizer_states=False)")
     if meta["mode"] != optimizer.acco.mode:
         raise ValueError(f"acco_ds.torch.load: {path} was saved in mode {meta['mode']!r} but this run is "
                          f"{optimizer.acco.mode!r}: resume in the same mode, or load only the weights "
                          f"(load_optimizer_states=False)")
-    optimizer.load_state_dict(torch.load(os.path.join(path, f"rank{rank}.pt"), weights_only=False))
+    files = [os.path.join(path, f"rank{r}.pt") for r in range(meta["world_size"])]
+    for name in files:
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"acco_ds.torch.load: the checkpoint in {path} is partial: {name} is missing (it "
+                                    f"was saved by {meta['world_size']} ranks, each writing one such file): copy it "
+                                    f"back, load an earlier checkpoint, or load only the weights "
+                                    f"(load_optimizer_states=False)")
+    if meta["world_size"] != world or saved_replica_size(files[0], world) != replica_size(optimizer):
+        load_resharded(path, files, model, optimizer, meta)
+    else:
+        optimizer.load_state_dict(read(files[rank]))
     return meta["client_state"]
+
 
 
 __all__ = ["save", "load"]

@@ -1,7 +1,8 @@
 # Sourced by cpu_smoke.sh and cpu_layouts.sh: the checkout check, the environment, the byte-level
 # dataset, the DeepSpeed config and `train`, which runs Megatron-DeepSpeed's pretrain_gpt.py with the
 # plain `deepspeed` launcher. Expects MEGATRON, HERE, WORK; RANKS (default 2) and LAYOUT (Megatron's
-# parallelism flags; default TP=1 with --no-pipeline-parallel) may be set by the caller.
+# parallelism flags; default TP=1 with --no-pipeline-parallel) may be set by the caller, and per call
+# DS_CONFIG (a DeepSpeed config file) and GLOBAL_BATCH (default 8 per data-parallel rank).
 RANKS=${RANKS:-2}
 LAYOUT=${LAYOUT:---no-pipeline-parallel --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1}
 SAVE_INTERVAL=${SAVE_INTERVAL:-6}
@@ -49,14 +50,14 @@ train() {  # $1 = --train-iters, $2 = port, $3 = checkpoint folder, rest = extra
   # shellcheck disable=SC2086  # LAYOUT is a list of flags
   (cd "$MEGATRON" && timeout 900 deepspeed --num_gpus "$RANKS" --master_port "$port" pretrain_gpt.py $LAYOUT \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
-    --micro-batch-size 2 --global-batch-size $((8 * dp)) --train-iters "$iters" \
+    --micro-batch-size 2 --global-batch-size "${GLOBAL_BATCH:-$((8 * dp))}" --train-iters "$iters" \
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
     --data-path "$WORK/bytes_text_document" --tokenizer-type NullTokenizer --vocab-size 256 \
     --split 98,2,0 --log-interval 1 --eval-interval 1000 --eval-iters 1 \
     --distributed-backend gloo --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion \
     --no-gradient-accumulation-fusion --use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 \
     --save "$ckpt" --save-interval "$SAVE_INTERVAL" \
-    --deepspeed --deepspeed_config "$WORK/ds_config_acco_cpu.json" "$@")
+    --deepspeed --deepspeed_config "${DS_CONFIG:-$WORK/ds_config_acco_cpu.json}" "$@")
 }
 
 losses() {  # per-iteration lm loss, learning rate and skipped count from Megatron's logs

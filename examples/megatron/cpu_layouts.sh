@@ -7,11 +7,19 @@
 #   3. run 1 resumed from its checkpoint to 30;
 #   4. one uninterrupted 30-iteration ACCO run, whose checkpoint must equal run 3's bit for bit;
 #   5. the iteration-20 checkpoint's module weights against zero_to_fp32's master weights.
+# The case "universal" moves a checkpoint to other layouts instead (global batch 16 throughout):
+#   1. acco on DP=2 x TP=2 saved and stopped at 20, and the same run uninterrupted to 30;
+#   2. DeepSpeed's ds_to_universal converts the iteration-20 checkpoint;
+#   3. resumed from it with Megatron's --universal-checkpoint on DP=2 x TP=1 (2 ranks) and DP=4 x TP=1;
+#   4. resumed from the checkpoint itself (acco_ds's resharding load, no conversion) on DP=1 x TP=2;
+#   5. diloco (2 replicas x 2 ranks, a sync every 5 inner steps) on DP=4 saved at 20 (and uninterrupted),
+#      converted, and resumed on DP=2 (2 replicas x 1) from the universal checkpoint and from the checkpoint.
+#   Stock ZeRO-1 (ACCO_DS_AUTOPATCH=0) takes route 1-3 too, as the reference for the universal checkpoint.
 # Everything goes to $WORK (default /tmp/acco_megatron_layouts); nothing is written into this repository.
 #
-#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline]...
+#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal]...
 #
-# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores.
+# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -22,13 +30,61 @@ SAVE_INTERVAL=10
 LAYOUT=x
 source "$HERE/common.sh"
 
+universal() {
+  local W="$WORK/universal" port=$PORT
+  local tp2="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1"
+  local tp1="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1"
+  mkdir -p "$W"; rm -rf "$W"/ckpt* "$W"/*.log
+  config() {  # $1 = file, $2 = gradient_accumulation_steps, $3 = the acco block (micro-batch 2, global batch 16)
+    echo "{\"train_micro_batch_size_per_gpu\": 2, \"gradient_accumulation_steps\": $2, \"gradient_clipping\": 1.0,
+ \"steps_per_print\": 4, \"zero_optimization\": {\"stage\": 1}, \"acco\": $3}" > "$W/$1"
+  }
+  config acco_gas2.json 2 '{"enabled": true, "mode": "acco"}'
+  config acco_gas4.json 4 '{"enabled": true, "mode": "acco"}'
+  config acco_gas8.json 8 '{"enabled": true, "mode": "acco"}'
+  config diloco_k2.json 2 '{"enabled": true, "mode": "diloco", "local_sgd": {"sync_every": 5, "replica_group_size": 2}}'
+  config diloco_k1.json 4 '{"enabled": true, "mode": "diloco", "local_sgd": {"sync_every": 5, "replica_group_size": 1}}'
+  run() {  # $1 = log name, $2 = ranks, $3 = Megatron layout flags, $4 = config file, rest = train's arguments
+    local log=$1 ranks=$2 layout=$3 config=$4; shift 4
+    port=$((port + 1))
+    RANKS=$ranks LAYOUT=$layout DS_CONFIG="$W/$config" GLOBAL_BATCH=16 train 30 "$port" "$@" 2>&1 | tee "$W/$log.log"
+  }
+  convert() {  # DeepSpeed's own converter; it writes <ckpt>/global_step20_universal and <ckpt>/latest_universal
+    python -m deepspeed.checkpoint.ds_to_universal --input_folder "$1/global_step20" \
+      --output_folder "$1/global_step20_universal" 2>&1 | tee "$W/convert_$(basename "$1").log"
+  }
+  run acco 4 "$tp2" acco_gas4.json "$W/ckpt" --exit-interval 20
+  run acco_once 4 "$tp2" acco_gas4.json "$W/ckpt_once"
+  ACCO_DS_AUTOPATCH=0 run stock 4 "$tp2" acco_gas4.json "$W/ckpt_stock" --exit-interval 20
+  convert "$W/ckpt"
+  convert "$W/ckpt_stock"
+  run universal_dp2_tp1 2 "$tp1" acco_gas4.json "$W/ckpt_u1" --load "$W/ckpt" --universal-checkpoint
+  run universal_dp4_tp1 4 "$tp1" acco_gas2.json "$W/ckpt_u2" --load "$W/ckpt" --universal-checkpoint
+  ACCO_DS_AUTOPATCH=0 run stock_universal_dp2_tp1 2 "$tp1" acco_gas4.json "$W/ckpt_su" --load "$W/ckpt_stock" \
+    --universal-checkpoint
+  run native_dp1_tp2 2 "$tp2" acco_gas8.json "$W/ckpt_n1" --load "$W/ckpt"
+  run diloco 4 "$tp1" diloco_k2.json "$W/ckpt_diloco" --exit-interval 20
+  run diloco_once 4 "$tp1" diloco_k2.json "$W/ckpt_diloco_once"
+  convert "$W/ckpt_diloco"
+  run diloco_universal_dp2 2 "$tp1" diloco_k1.json "$W/ckpt_du" --load "$W/ckpt_diloco" --universal-checkpoint
+  run diloco_native_dp2 2 "$tp1" diloco_k1.json "$W/ckpt_dn" --load "$W/ckpt_diloco"
+  if grep -q '^\[acco_ds\]' "$W"/stock*.log; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+  echo "== universal: lm loss per iteration (saved at 20; each resume starts at 21) =="
+  losses "$W"/acco.log "$W"/acco_once.log "$W"/stock.log "$W"/universal_dp2_tp1.log "$W"/universal_dp4_tp1.log \
+    "$W"/stock_universal_dp2_tp1.log "$W"/native_dp1_tp2.log "$W"/diloco.log "$W"/diloco_once.log \
+    "$W"/diloco_universal_dp2.log "$W"/diloco_native_dp2.log | tee "$W/losses.txt"
+  echo "== universal: what acco_ds said when it loaded =="
+  grep -h "ACCO: resharded\|ACCO: loaded the universal" "$W"/*.log | cut -c1-400
+}
+
 status=0
 for layout in "${@:-pipeline no-pipeline}"; do
   for name in $layout; do
+    if [ "$name" = universal ]; then universal; continue; fi
     case $name in
       pipeline) LAYOUT="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
       no-pipeline) LAYOUT="--no-pipeline-parallel --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
-      *) echo "unknown layout $name (pipeline | no-pipeline)" >&2; exit 2 ;;
+      *) echo "unknown layout $name (pipeline | no-pipeline | universal)" >&2; exit 2 ;;
     esac
     W="$WORK/$name"; mkdir -p "$W"; rm -rf "$W"/ckpt*
     train 30 "$PORT" "$W/ckpt" --exit-interval 20 2>&1 | tee "$W/acco.log"

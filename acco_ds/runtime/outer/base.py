@@ -252,6 +252,18 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
                 dst.copy_(src)
         load_outer_residuals(self.compression, sd.get("residuals"))
 
+    def reshard_state(self, first: list, mine: list, plan) -> dict:
+        """The anchor and the outer momentum (the same in every replica) from old replica 0, re-partitioned;
+        the period position from the mapped replica (the same everywhere but A-EDiT's step count)."""
+        if first[0] is None:
+            self.load_state_dict(None)  # raises: saved without a local-SGD mode
+        self.check_kind(first[0])
+        if any(s["residuals"] for s in first):
+            plan.dropped.append("the outer all-reduce's error-feedback residuals (they restart at zero)")
+        return {"schedule": mine[0]["schedule"], "replicas": self.groups.replicas, "k": self.groups.k,
+                "anchor": plan.piece([s["anchor"] for s in first]),
+                "momentum": plan.piece([s["momentum"] for s in first]), "residuals": {}}
+
     def check_kind(self, sd: dict) -> None:
         """Refuse the state of another kind of loop of the same mode (Streaming DiLoCo against DiLoCo)."""
 

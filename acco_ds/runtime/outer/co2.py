@@ -102,6 +102,13 @@ class CO2(LocalSGD):
             for dst, src in zip(mine, saved):
                 dst.copy_(src)
 
+    def reshard_state(self, first, mine, plan) -> dict:
+        sd = super().reshard_state(first, mine, plan)
+        # start: where this replica's period began (its own); in_flight: after a save, the received mean (the
+        # same in every replica), applied at the next sync.
+        sd.update(start=plan.piece([s["start"] for s in mine]), in_flight=plan.piece([s["in_flight"] for s in first]))
+        return sd
+
     @torch.no_grad()
     def restart(self) -> None:
         super().restart()

@@ -162,6 +162,19 @@ class EDiT(LocalSGD):
             self.sync.anomalies = edit.get("anomalies", 0)
         self.period_start = self.clock() - edit.get("period_elapsed_s", 0.0)  # the period timer goes on
 
+    def reshard_state(self, first, mine, plan) -> dict:
+        sd = super().reshard_state(first, mine, plan)
+        edit = mine[0].get("edit") or {}
+        sd["edit"] = {"detector": None, "period_elapsed_s": edit.get("period_elapsed_s", 0.0),
+                      "anomalies": edit.get("anomalies", 0)}
+        if self.sync.detector is not None:
+            plan.not_carried.append("EDiT's anomaly-detector statistics (kept per replica, and the replicas "
+                                    "changed): they restart their warm-up")
+        if self.per_replica_counters:
+            plan.not_carried.append("A-EDiT's uneven step counts: each new replica takes its mapped old "
+                                    "replica's global_steps, samples, LR schedule and period timer")
+        return sd
+
     def restart(self) -> None:
         super().restart()
         self.period_start = self.clock()

@@ -167,6 +167,14 @@ class OuterLoop:
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore ``state_dict()``'s result (None: the checkpoint has no outer state)."""
 
+    def reshard_state(self, first: List[Optional[dict]], mine: List[Optional[dict]], plan) -> Optional[dict]:
+        """This rank's state in this run's layout, for ``load_state_dict``, from a checkpoint of another
+        (``runtime.reshard.Plan``): ``first`` old replica 0's ``state_dict()`` per old rank, ``mine`` the
+        mapped old replica's. Name what is dropped or not carried in ``plan.dropped``/``plan.not_carried``."""
+        raise ValueError(f"the outer loop {type(self).__name__} cannot load a checkpoint of another layout: resume "
+                         f"with the same world size and replica_group_size, or load only the module weights "
+                         f"(load_optimizer_states=False)")
+
     def stats(self) -> dict:
         return {}
 

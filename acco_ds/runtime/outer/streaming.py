@@ -154,8 +154,17 @@ class StreamingDiLoCo(DiLoCo):
         self.outer_comm_s += comm_s
         self.outer_wait_s += wait_s
 
+    def _prepare_blocking(self, f: int) -> None:
+        tau, self.tau = self.tau, 0
+        try:
+            self._prepare(f)
+        finally:
+            self.tau = tau
+
     @torch.no_grad()
     def _sync_fragment(self, f: int, alpha: float) -> None:
+        if self.pending is None:  # its prepared mean was dropped by a resharding load: prepare it now
+            self._prepare_blocking(f)
         self._receive()
         pending, self.pending = self.pending, None
         assert pending is not None and pending["fragment"] == f, "streaming schedule out of step"
@@ -215,14 +224,10 @@ class StreamingDiLoCo(DiLoCo):
         steps since its last δ syncs once more, blocking, and every replica takes the global values."""
         if self.pending is not None:
             self._sync_fragment(self.pending["fragment"], self.alpha)
-        tau, self.tau = self.tau, 0
-        try:
-            for f in range(self.F):
-                if self.prepared_at[f] < self.step:
-                    self._prepare(f)
-                    self._sync_fragment(f, 0.0)
-        finally:
-            self.tau = tau
+        for f in range(self.F):
+            if self.prepared_at[f] < self.step:
+                self._prepare_blocking(f)
+                self._sync_fragment(f, 0.0)
         for x, theta in zip(self.anchor, self.shards.masters):
             theta.copy_(x)
         self._install(self.shards.masters)
@@ -263,10 +268,20 @@ class StreamingDiLoCo(DiLoCo):
         self.pending = None if p is None else {"fragment": p["fragment"], "delta": p["delta"].clone(),
                                                "received": True}
 
+    def reshard_state(self, first, mine, plan) -> dict:
+        sd = super().reshard_state(first, mine, plan)
+        streaming = dict(mine[0]["streaming"], pending=None, prepared_at=list(mine[0]["streaming"]["prepared_at"]))
+        pending = mine[0]["streaming"]["pending"]
+        if pending is not None:  # the old replicas' mean: the fragment is prepared again, blocking, at its sync
+            streaming["prepared_at"][pending["fragment"]] = -1  # no δ kept since its last sync (finalize)
+            plan.dropped.append(f"fragment {pending['fragment']}'s prepared pseudo-gradient mean (prepared again, "
+                                f"blocking, at its sync)")
+        sd["streaming"] = streaming
+        return sd
+
     def restart(self) -> None:
         super().restart()
-        self.step, self.pending, self.prepared_at = 0, None, [0] * self.F
-        self.fragment_base = [0] * self.F
+        self.step, self.pending, self.prepared_at, self.fragment_base = 0, None, [0] * self.F, [0] * self.F
 
     # ---------------------------------------------------------- observability
     def banner(self) -> str:

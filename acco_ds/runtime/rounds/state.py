@@ -76,6 +76,8 @@ def check_state(opt, acco: dict) -> None:
 
 def load_state(opt, acco: dict) -> None:
     """Restore what ``save_state`` saved into ``opt`` (rounds already reset)."""
+    if acco.get("resharded"):
+        return _load_resharded(opt, acco)
     opt.schedule.load_state_dict(acco["schedule"])
     opt.local_micro = int(acco["local_micro"])
     opt.round_scale = float(acco["round_scale"])
@@ -126,6 +128,19 @@ def heal_state(opt) -> dict:
 def load_heal_state(opt, state: dict) -> None:
     load_optimizer_state(opt.update.optimizer, state["optimizer"])
     opt.load_counters(state["counters"])
+
+
+def _load_resharded(opt, acco: dict) -> None:
+    """A state ``runtime.reshard`` made for this layout: the rounds start afresh (nothing in flight, residuals
+    at zero); a local-SGD replica takes its compute weights and outer state, a round mode keeps the loaded
+    committed weights."""
+    for buf in opt.buffers:
+        if buf.residual is not None:
+            buf.residual.zero_()
+    for flat, saved in zip(opt.compute_flats, acco["compute_part"] or []):
+        collectives.all_gather_part(flat, saved, opt.rank, opt.comm.group)
+    opt.outer.load_state_dict(acco["outer"])
+    opt.host_counters = acco.get("host_counters")
 
 
 __all__ = ["save_state", "load_state", "check_state", "load_residuals", "load_optimizer_state", "heal_state",
