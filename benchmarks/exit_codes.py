@@ -11,7 +11,7 @@ SIGABRT) looks like a crash. This launches, N times each:
 both on a 1-layer GPT for a few steps, and writes a table (stdout and benchmarks/results/exit_codes.md) of
 the exit codes seen, with any abort's last lines in benchmarks/results/exit_codes.json.
 
-    python benchmarks/exit_codes.py --launches 30
+    python benchmarks/exit_codes.py --launches 30 [--only torch|deepspeed]
 """
 
 import argparse
@@ -49,11 +49,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--launches", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument("--only", choices=["torch", "deepspeed"], default=None, help="one host's example only")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="acco_exit_codes_"))
     rows, details = [], {}
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for name, argv in commands(0, workdir).items():
+        if args.only and not name.lower().startswith(args.only):
+            continue
         codes, aborts = collections.Counter(), []
         t0 = time.monotonic()
         for i in range(args.launches):

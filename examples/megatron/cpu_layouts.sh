@@ -15,11 +15,16 @@
 #   5. diloco (2 replicas x 2 ranks, a sync every 5 inner steps) on DP=4 saved at 20 (and uninterrupted),
 #      converted, and resumed on DP=2 (2 replicas x 1) from the universal checkpoint and from the checkpoint.
 #   Stock ZeRO-1 (ACCO_DS_AUTOPATCH=0) takes route 1-3 too, as the reference for the universal checkpoint.
+# The case "pipeline2" runs pipeline parallel 2 x data parallel 2 x TP 1 on 4 ranks (one transformer layer
+# per stage, the word embeddings tied across the first and the last stage), 20 iterations, global batch 16:
+#   acco (two flushes of 2 micro-batches per iteration), diloco (replica_group_size 1: 2 replicas of one
+#   data-parallel rank with its 2 stages, a sync every 5 inner steps) and stock ZeRO-1 (ACCO_DS_AUTOPATCH=0).
 # Everything goes to $WORK (default /tmp/acco_megatron_layouts); nothing is written into this repository.
 #
-#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal]...
+#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2]...
 #
-# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6.
+# Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6,
+# "pipeline2" about PIPELINE2_MINUTES.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -77,14 +82,39 @@ universal() {
   grep -h "ACCO: resharded\|ACCO: loaded the universal" "$W"/*.log | cut -c1-400
 }
 
+pipeline2() {
+  local W="$WORK/pipeline2" port=$((PORT + 40))
+  local pp2="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2"
+  mkdir -p "$W"; rm -rf "$W"/ckpt* "$W"/*.log
+  echo '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+ "steps_per_print": 4, "zero_optimization": {"stage": 1}, "acco": {"enabled": true, "mode": "acco"}}' > "$W/acco.json"
+  echo '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+ "steps_per_print": 4, "zero_optimization": {"stage": 1}, "acco": {"enabled": true, "mode": "diloco",
+ "local_sgd": {"sync_every": 5, "replica_group_size": 1}}}' > "$W/diloco.json"
+  run() {  # $1 = log name, $2 = config file; 4 ranks, 20 iterations, saved at 10 and 20
+    port=$((port + 1))
+    RANKS=4 LAYOUT=$pp2 DS_CONFIG="$W/$2" GLOBAL_BATCH=16 train 20 "$port" "$W/ckpt_$1" 2>&1 | tee "$W/$1.log"
+  }
+  run acco acco.json
+  run diloco diloco.json
+  ACCO_DS_AUTOPATCH=0 run stock acco.json
+  grep -q '^\[acco_ds\] ACCO engine:' "$W/acco.log" || { echo "no '[acco_ds] ACCO engine:' line" >&2; exit 1; }
+  if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+  echo "== pipeline2: lm loss per iteration (PP 2 x DP 2) =="
+  losses "$W/acco.log" "$W/diloco.log" "$W/stock.log" | tee "$W/losses.txt"
+  echo "== pipeline2: checkpoint tags =="
+  for c in ckpt_acco ckpt_diloco ckpt_stock; do echo "$c: $(ls -d "$W/$c"/global_step* | xargs -n1 basename | tr '\n' ' ')"; done
+}
+
 status=0
 for layout in "${@:-pipeline no-pipeline}"; do
   for name in $layout; do
     if [ "$name" = universal ]; then universal; continue; fi
+    if [ "$name" = pipeline2 ]; then pipeline2; continue; fi
     case $name in
       pipeline) LAYOUT="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
       no-pipeline) LAYOUT="--no-pipeline-parallel --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
-      *) echo "unknown layout $name (pipeline | no-pipeline | universal)" >&2; exit 2 ;;
+      *) echo "unknown layout $name (pipeline | no-pipeline | universal | pipeline2)" >&2; exit 2 ;;
     esac
     W="$WORK/$name"; mkdir -p "$W"; rm -rf "$W"/ckpt*
     train 30 "$PORT" "$W/ckpt" --exit-interval 20 2>&1 | tee "$W/acco.log"

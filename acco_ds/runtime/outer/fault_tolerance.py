@@ -223,6 +223,12 @@ class JoinsAndHeals:
             self.transport.average(mean, weight=0.0)
             if self.transport.commit():
                 break
+        if self.transport.participants == 1 and not self.healed and tdist.get_rank() == 0:
+            # Alone with nothing to heal from: torchft cannot tell a new job from one whose replicas are all gone.
+            print(f"[acco_ds] replica {self.transport.replica_id}: alone in its first quorum at "
+                  f"{self.transport.lighthouse}: the global model starts from this replica's own weights. If "
+                  f"replicas of this run trained before and are all gone, their global model is not here: load a "
+                  f"checkpoint (save_checkpoint per replica) or keep min_replicas above 1", flush=True)
         self.after_join(mean)
 
     def join_tensors(self) -> List[torch.Tensor]:
