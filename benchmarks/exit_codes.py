@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--only", choices=["torch", "deepspeed"], default=None, help="one host's example only")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="acco_exit_codes_"))
-    rows, details = [], {}
+    details = {}
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for name, argv in commands(0, workdir).items():
         if args.only and not name.lower().startswith(args.only):
@@ -68,19 +68,23 @@ def main():
             if code != 0:
                 aborts.append({"launch": i, "code": code, "tail": text[-1500:]})
             print(f"{name}: launch {i + 1}/{args.launches} exit {code}", flush=True)
-        rows.append((name, args.launches, codes[0], sum(n for c, n in codes.items() if c != 0), dict(codes),
-                     time.monotonic() - t0))
-        details[name] = {"codes": {str(k): v for k, v in codes.items()}, "non_zero": aborts}
+        details[name] = {"launches": args.launches, "codes": {str(k): v for k, v in codes.items()},
+                         "non_zero": aborts, "seconds": round(time.monotonic() - t0), "date": time.strftime("%Y-%m-%d")}
         harness.kill_everything()
-    header = (f"Exit codes of finished runs, {platform.node()} ({platform.machine()}, CPU, gloo), "
-              f"{time.strftime('%Y-%m-%d')}: `python benchmarks/exit_codes.py --launches {args.launches}`")
-    lines = [header, "", "| example | launches | exit 0 | other | codes | seconds |", "|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {k} | {ok} | {bad} | {codes} | {s:.0f} |" for n, k, ok, bad, codes, s in rows]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "exit_codes.json"
+    if args.only and path.exists():  # keep the other host's last row
+        details = {**json.loads(path.read_text()), **details}
+    header = (f"Exit codes of finished runs, {platform.node()} ({platform.machine()}, CPU, gloo): "
+              f"`python benchmarks/exit_codes.py --launches N [--only torch|deepspeed]`")
+    lines = [header, "", "| example | date | launches | exit 0 | other | seconds |", "|---|---|---|---|---|---|"]
+    for name, d in details.items():
+        ok = d["codes"].get("0", 0)
+        lines.append(f"| {name} | {d['date']} | {d['launches']} | {ok} | {d['launches'] - ok} | {d['seconds']} |")
     text = "\n".join(lines)
     print("\n" + text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "exit_codes.md").write_text(text + "\n")
-    (RESULTS / "exit_codes.json").write_text(json.dumps(details, indent=1))
+    path.write_text(json.dumps(details, indent=1))
 
 
 if __name__ == "__main__":
