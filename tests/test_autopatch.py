@@ -200,9 +200,16 @@ def test_unmodified_script_under_plain_deepspeed_launcher(autopatch, hook_instal
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "steps_per_print": 1000,
         "acco": {"enabled": True, "kernels": "torch"}}))
-    proc = launch(lambda port: [tool("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script),
-                                "--config", str(config), "--out", str(tmp_path)],
-                  timeout=180, env={"ACCO_DS_AUTOPATCH": autopatch}, cwd=tmp_path)
+    ports = []
+    proc = launch(lambda port: ports.append(port) or [
+        tool("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(script), "--config", str(config),
+        "--out", str(tmp_path)], timeout=180, env={"ACCO_DS_AUTOPATCH": autopatch}, cwd=tmp_path)
+    # DeepSpeed's shared-memory op leaves a 69 MB file per rank in /dev/shm; acco_ds unlinks its own
+    shm = [p for port in ports for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    for p in shm:
+        p.unlink(missing_ok=True)
+    if autopatch == "1":
+        assert not shm, shm
     rows = ranks(tmp_path)
     assert [r["local_rank"] for r in rows] == [0, 1]
     if autopatch == "1":

@@ -10,6 +10,7 @@ scripts, Hugging Face Trainer/Accelerate, Megatron-DeepSpeed).
 import contextlib
 import inspect
 import logging
+import os
 import threading
 
 logger = logging.getLogger("acco_ds")
@@ -117,14 +118,42 @@ def guard_deepspeed_shm_op() -> None:
         try:
             JitBuildLock.for_op(builder.name).wait()
             with bounded_torch_baton():
-                return original()
+                op = original()
         except JitLockTimeout as err:
             logger.warning(f"acco_ds: DeepSpeed's shared-memory op is not loaded ({err}); DeepSpeed runs without it")
             return None
+        if op is not None and not getattr(op.initialize, "_acco_unlinks", False):
+            op.initialize = _unlinking_initialize(op.initialize)
+        return op
 
     build_shm_op._acco_guarded = True
     build_shm_op.__wrapped__ = original
     ds_torch.build_shm_op = build_shm_op
+
+
+def _unlinking_initialize(initialize):
+    """DeepSpeed's shared-memory op creates one 69 MB file per rank in /dev/shm
+    (``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``) and
+    never unlinks it, so every launch on a new port leaves RAM-backed files behind
+    (a test suite: gigabytes). Once every rank has mapped every other's buffer (a
+    barrier after ``initialize``), each rank unlinks its own name: the mappings stay
+    valid until the processes exit, and the memory goes back to the system then,
+    killed processes included."""
+    def wrapped(world_size, rank):
+        initialize(world_size, rank)
+        import torch.distributed as dist
+        if int(os.environ.get("LOCAL_SIZE", 0)) != world_size or not dist.is_initialized():
+            return  # the op made no buffer (not every rank on this host); same answer on every rank
+        dist.barrier()
+        name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                         os.environ.get("MASTER_PORT", ""), str(rank)])
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass  # another naming or place (a DeepSpeed other than 0.19's): nothing of ours to remove
+
+    wrapped._acco_unlinks = True
+    return wrapped
 
 
 def unpatch() -> None:
