@@ -39,10 +39,14 @@ def flatten(d, pre=""):
 
 
 def module_tensors(folder, mp):
-    """The module weights a checkpoint shows for model-parallel rank ``mp``, named as zero_to_fp32 names them."""
-    layers = sorted(glob.glob(f"{folder}/layer_*-model_{mp:02d}-model_states.pt"))
-    if not layers:
+    """The module weights a checkpoint shows for model-parallel rank ``mp``, named as zero_to_fp32 names them.
+    Layer files are named by tensor-parallel rank (``model_XX``) and hold every pipeline stage's layers;
+    Megatron's model-parallel rank is stage x TP size + TP rank, so its TP rank is ``mp % TP size``
+    (``match`` keeps the layers of the stage whose master weights it is given)."""
+    tp_size = len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")})
+    if not tp_size:
         return flatten(load(f"{folder}/mp_rank_{mp:02d}_model_states.pt")["module"])
+    layers = sorted(glob.glob(f"{folder}/layer_*-model_{mp % tp_size:02d}-model_states.pt"))
     out = {}
     for path in layers:
         index = int(re.search(r"layer_(\d+)-", path).group(1))
@@ -67,8 +71,11 @@ def master_tensors(folder, tag, mp):
         return get_fp32_state_dict_from_zero_checkpoint(scratch, tag)
 
 
-def match(module, master):
-    """Pair module tensors with master ones (pipeline layer files name parameters inside their layer)."""
+def match(module, master, tied_here=True):
+    """Pair module tensors with master ones (pipeline layer files name parameters inside their layer).
+    A tied layer's file (Megatron's embedding) is written by the first stage; a later stage's copy is
+    tied by its word embeddings only, and its other parameters (the position embeddings) are never
+    trained there, so the file is paired with the first stage's master weights only (``tied_here``)."""
     pairs = {}
     for key, v in module.items():
         if isinstance(key, str):
@@ -77,10 +84,15 @@ def match(module, master):
         index, name = key
         full = f"{index}.{name}"
         if full not in master:  # a tied layer (the embedding): named tied_modules.<key>.<name>
-            tied = [m for m in master if m.startswith("tied_modules.") and m.endswith("." + name)]
-            assert len(tied) == 1, (key, tied)
+            tied = [m for m in master if m.startswith("tied_modules.") and m.split(".", 2)[2] == name]
+            assert len(tied) <= 1, (key, tied)
+            if not tied or not tied_here:
+                continue  # a layer of another pipeline stage: checked with that stage's master weights
             full = tied[0]
         pairs[full] = (v, master[full])
+    missing = [k for k in master if k not in pairs and not k.endswith(".inv_freq")
+               and (tied_here or not k.startswith("tied_modules."))]
+    assert not missing, f"master weights without a module tensor: {missing}"
     return pairs
 
 
@@ -89,8 +101,9 @@ def check_master(ckpt, tag=None):
     folder = f"{ckpt}/{tag}"
     mps = sorted({int(m) for m in re.findall(r"mp_rank_(\d+)_model_states", " ".join(os.listdir(folder)))})
     worst, count = 0.0, 0
+    tp_size = max(1, len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")}))
     for mp in mps:
-        pairs = match(module_tensors(folder, mp), master_tensors(folder, tag, mp))
+        pairs = match(module_tensors(folder, mp), master_tensors(folder, tag, mp), tied_here=mp < tp_size)
         diff = {k: (v.float() - m.to(v.dtype).float()).abs().max().item() for k, (v, m) in pairs.items()}
         worst, count = max(worst, max(diff.values())), count + len(diff)
         print(f"{tag} mp_rank_{mp:02d}: {len(diff)} tensors, max abs difference {max(diff.values()):.3e}")

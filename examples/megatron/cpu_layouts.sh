@@ -18,13 +18,15 @@
 # The case "pipeline2" runs pipeline parallel 2 x data parallel 2 x TP 1 on 4 ranks (one transformer layer
 # per stage, the word embeddings tied across the first and the last stage), 20 iterations, global batch 16:
 #   acco (two flushes of 2 micro-batches per iteration), diloco (replica_group_size 1: 2 replicas of one
-#   data-parallel rank with its 2 stages, a sync every 5 inner steps) and stock ZeRO-1 (ACCO_DS_AUTOPATCH=0).
+#   data-parallel rank with its 2 stages, a sync every 5 inner steps) and stock ZeRO-1 (ACCO_DS_AUTOPATCH=0);
+#   acco again, saved and stopped at 10 and resumed to 20: its checkpoint must equal the uninterrupted run's
+#   bit for bit, and the module weights must equal zero_to_fp32's master weights.
 # Everything goes to $WORK (default /tmp/acco_megatron_layouts); nothing is written into this repository.
 #
 #   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2]...
 #
 # Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6,
-# "pipeline2" about PIPELINE2_MINUTES.
+# "pipeline2" about 2.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -91,19 +93,26 @@ pipeline2() {
   echo '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
  "steps_per_print": 4, "zero_optimization": {"stage": 1}, "acco": {"enabled": true, "mode": "diloco",
  "local_sgd": {"sync_every": 5, "replica_group_size": 1}}}' > "$W/diloco.json"
-  run() {  # $1 = log name, $2 = config file; 4 ranks, 20 iterations, saved at 10 and 20
+  run() {  # $1 = log name, $2 = config file, rest = train's arguments; 4 ranks, 20 iterations, saved at 10 and 20
+    local log=$1 config=$2; shift 2
     port=$((port + 1))
-    RANKS=4 LAYOUT=$pp2 DS_CONFIG="$W/$2" GLOBAL_BATCH=16 train 20 "$port" "$W/ckpt_$1" 2>&1 | tee "$W/$1.log"
+    RANKS=4 LAYOUT=$pp2 DS_CONFIG="$W/$config" GLOBAL_BATCH=16 train 20 "$port" "$W/ckpt_$log" "$@" 2>&1 | tee "$W/$log.log"
   }
   run acco acco.json
   run diloco diloco.json
   ACCO_DS_AUTOPATCH=0 run stock acco.json
+  run acco_resume acco.json --exit-interval 10  # saved and stopped at 10, then resumed to 20
+  run acco_resumed acco.json --load "$W/ckpt_acco_resume"
   grep -q '^\[acco_ds\] ACCO engine:' "$W/acco.log" || { echo "no '[acco_ds] ACCO engine:' line" >&2; exit 1; }
   if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
   echo "== pipeline2: lm loss per iteration (PP 2 x DP 2) =="
-  losses "$W/acco.log" "$W/diloco.log" "$W/stock.log" | tee "$W/losses.txt"
+  losses "$W/acco.log" "$W/diloco.log" "$W/stock.log" "$W/acco_resumed.log" | tee "$W/losses.txt"
   echo "== pipeline2: checkpoint tags =="
-  for c in ckpt_acco ckpt_diloco ckpt_stock; do echo "$c: $(ls -d "$W/$c"/global_step* | xargs -n1 basename | tr '\n' ' ')"; done
+  for c in ckpt_acco ckpt_diloco ckpt_stock ckpt_acco_resume ckpt_acco_resumed; do
+    echo "$c: $(ls -d "$W/$c"/global_step* | xargs -n1 basename | tr '\n' ' ')"; done
+  echo "== pipeline2: acco's iteration-20 checkpoint: module weights against zero_to_fp32, resumed against uninterrupted =="
+  python "$HERE/check_checkpoint.py" "$W/ckpt_acco" global_step20 | tee "$W/check20.log" || status=1
+  python "$HERE/check_checkpoint.py" "$W/ckpt_acco_resumed" "$W/ckpt_acco" | tee "$W/check_resume.log" || status=1
 }
 
 status=0
