@@ -286,19 +286,25 @@ def case_compressed(rank, world):
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-def worker(case):
+def worker(cases):
+    """Run the comma-separated ``cases`` in order on one process group, saying ``case ok NAME`` after each;
+    the first failure ends the rank (its peers then fail or time out)."""
     import torch.distributed as tdist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        CASES[case](rank, world)
-        tdist.barrier()
+        for case in cases.split(","):
+            CASES[case](rank, world)
+            tdist.barrier()
+            print(f"case ok {case}", flush=True)
     finally:
         tdist.destroy_process_group()
 
 
 # --------------------------------------------------------------- test side
 def launch(case, world, timeout=100.0):
+    """Run ``case`` (or several, comma-separated) on ``world`` ranks; each rank's log, or an error with
+    their tails when any rank failed."""
     from dist import free_port
     path = os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
@@ -330,13 +336,31 @@ def launch(case, world, timeout=100.0):
     return texts
 
 
+_LAUNCHED = {}  # world -> every rank's log, or the error of the launch that ran every case
+
+
+def all_cases(world):
+    """One launch per world size runs every case in turn (one process start instead of one per case)."""
+    if world not in _LAUNCHED:
+        try:
+            _LAUNCHED[world] = launch(",".join(sorted(CASES)), world, timeout=240.0)
+        except AssertionError as err:
+            _LAUNCHED[world] = err
+    return _LAUNCHED[world]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_collectives(case, world):
-    texts = launch(case, world)
+    texts = all_cases(world)
+    if isinstance(texts, AssertionError):
+        if f"case ok {case}" not in str(texts):  # this case failed, or never ran after another failed
+            raise texts
+        return  # this case passed before another failed
     for t in texts:
+        assert f"case ok {case}" in t, t[-3000:]
         for line in t.splitlines():
             if line.startswith("rank "):
                 print(line)

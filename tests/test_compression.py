@@ -142,11 +142,11 @@ def test_resume_with_residuals_is_exact(tmp_path):
     to the uninterrupted run, which needs the error-feedback residuals restored."""
     acco = common.ds_config(acco={"mode": "acco", "compression": INT8}, clip=0.05)
     diloco = common.ds_config(acco={**local("diloco", 1), "compression": {**INT8, "apply_to": ["outer"]}}, gas=GAS)
-    full = launch({"runs": [dict(config=acco, steps=4), dict(config=diloco, steps=LOCAL_STEPS,
-                                                               record_committed=True)]}, world_size=2, timeout=300)
     paths = [str(tmp_path / "acco"), str(tmp_path / "diloco")]
-    launch({"runs": [dict(config=acco, steps=100, max_micro=11, save=paths[0]),
-                     dict(config=diloco, steps=100, max_micro=GAS * 3, save=paths[1])]}, world_size=2, timeout=300)
+    full = launch({"runs": [dict(config=acco, steps=4), dict(config=diloco, steps=LOCAL_STEPS, record_committed=True),
+                            dict(config=acco, steps=100, max_micro=11, save=paths[0]),
+                            dict(config=diloco, steps=100, max_micro=GAS * 3, save=paths[1])]},
+                  world_size=2, timeout=300)
     resumed = launch({"runs": [dict(config=acco, steps=4, load=paths[0]),
                                dict(config=diloco, steps=LOCAL_STEPS, load=paths[1], record_committed=True)]},
                      world_size=2, timeout=300)

@@ -211,11 +211,10 @@ def test_edit_resume_is_exact_with_the_detector_state(tmp_path):
     cfg = common.ds_config(acco=local(1, anomaly=ANOMALY), gas=GAS, clip=0.05, optimizer=None,
                            zero_allow_untested_optimizer=True)
     run = dict(config=cfg, client_optimizer=INNER, spike=SPIKE)
-    full = launch({"runs": [dict(run, steps=STEPS, record_committed=True, finalize=True)]}, world_size=2,
-                  timeout=300)
     saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (5, 8)}  # mid-period; at the sync after the spike
-    launch({"runs": [dict(run, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]},
-           world_size=2, timeout=300)
+    full = launch({"runs": [dict(run, steps=STEPS, record_committed=True, finalize=True)] + [
+        dict(run, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]}, world_size=2,
+        timeout=300)
     resumed = launch({"runs": [dict(run, steps=STEPS, load=path, record_committed=True) for path in saves.values()]},
                      world_size=2, timeout=300)
     for rank in range(2):

@@ -98,22 +98,23 @@ def test_sync_mode_matches_stock_deepspeed_zero1():
     assert_matches(results[0]["params"], reference("sync")["params"])
 
 
-@pytest.mark.parametrize("drive", ["b", "hf", "megatron", "torch"])
-def test_every_way_frameworks_drive_the_engine(drive):
+def test_every_way_frameworks_drive_the_engine():
     """b: Accelerate (boundary flag, step() at the boundary); hf: the same with
     the loss divided by the caller (backward(loss / gas, scale_wrt_gas=False));
     megatron: plus step(lr_kwargs), was_step_applied(), set_train_batch_size();
-    torch: loss.backward() directly instead of engine.backward()."""
-    spec = dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, drive=drive,
-                lr_schedule=(drive == "megatron"))
-    r = launch({"runs": [spec]}, world_size=W, timeout=240)[0][0]
-    assert_matches(r["params"], reference("acco", lr_schedule=(drive == "megatron"))["params"])
-    if drive == "megatron":
-        assert "cannot change gradient_accumulation_steps" in r["batch_size_error"]
-        assert "--rampup-batch-size" in r["batch_size_error"]
-    if drive != "torch":
-        # Commits land at micro-batches 6, 10, 14, 18 (k=2); step() sees them at boundaries 8, 12, 16, 20.
-        assert r["applied"][:5] == [False, True, True, True, True]
+    torch: loss.backward() directly instead of engine.backward(). One engine per way, in one launch."""
+    drives = ["b", "hf", "megatron", "torch"]
+    runs = [dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, drive=drive,
+                 lr_schedule=(drive == "megatron")) for drive in drives]
+    results = launch({"runs": runs}, world_size=W, timeout=240)[0]
+    for drive, r in zip(drives, results):
+        assert_matches(r["params"], reference("acco", lr_schedule=(drive == "megatron"))["params"])
+        if drive == "megatron":
+            assert "cannot change gradient_accumulation_steps" in r["batch_size_error"]
+            assert "--rampup-batch-size" in r["batch_size_error"]
+        if drive != "torch":
+            # Commits land at micro-batches 6, 10, 14, 18 (k=2); step() sees them at boundaries 8, 12, 16, 20.
+            assert r["applied"][:5] == [False, True, True, True, True], drive
 
 
 def test_adaptive_accumulation_absorbs_slow_communication_and_unequal_workers():
@@ -133,29 +134,32 @@ def test_adaptive_accumulation_absorbs_slow_communication_and_unequal_workers():
     assert r["stats"]["accumulation"] == "adaptive"
 
 
-@pytest.mark.parametrize("launch_index", range(3))  # one per communication delay
-def test_adaptive_reads_mid_training_never_deadlock(tmp_path, launch_index):
+def test_adaptive_reads_mid_training_never_deadlock(tmp_path):
     """Adaptive accumulation, rank 1 slower: state_dict, eval with an all-reduce and save_checkpoint every
     3 micro-batches, then the end of training. Ranks end rounds on their own, so a read must first align
-    them. Every launch finishes (timeout_s 60 turns a deadlock into a failure), both ranks read the same
-    committed step, finalize drops nothing, and a resume from the mid-training checkpoint continues."""
-    acco = {"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 6, "timeout_s": 60,
-            "emulation": {"comm_delay_s": 0.01 * (1 + launch_index % 3), "slow_rank": 1, "slow_factor": 3.0}}
-    cfg = common.ds_config(acco=acco)
-    ckpt = str(tmp_path / "ckpt")
-    spec = dict(config=cfg, steps=6, read_every=3, save=ckpt, save_at_read=3, finalize=True, pg_timeout=60)
-    r0, r1 = [res[0] for res in launch({"runs": [spec]}, world_size=W, timeout=150)]
-    assert len(r0["reads"]) == len(r1["reads"]) >= 6
-    for a, b in zip(r0["reads"], r1["reads"]):
-        assert a["global_steps"] == b["global_steps"] and torch.equal(a["state_dict"], b["state_dict"]), \
-            "ranks read different committed weights"
-        assert a["val_loss"] == b["val_loss"]
-    assert torch.equal(r0["final_params"], r1["final_params"])
-    assert r0["stats"]["micro_batches"] == r0["micro"], "finalize left micro-batches unapplied"
-    saved = r0["reads"][3]
-    assert saved.get("saved")
-    if launch_index:
-        return  # one resume is enough: the launches differ only in timing
+    them. Every run (three communication delays, one engine each) finishes (timeout_s 60 turns a deadlock
+    into a failure), both ranks read the same committed step, finalize drops nothing, and a resume from the
+    mid-training checkpoint continues."""
+    def config(delay):
+        return common.ds_config(acco={"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 6,
+                                      "timeout_s": 60, "emulation": {"comm_delay_s": delay, "slow_rank": 1,
+                                                                     "slow_factor": 3.0}})
+    delays = [0.01, 0.02, 0.03]
+    ckpts = [str(tmp_path / f"ckpt{i}") for i in range(len(delays))]
+    runs = [dict(config=config(d), steps=6, read_every=3, save=c, save_at_read=3, finalize=True, pg_timeout=60)
+            for d, c in zip(delays, ckpts)]
+    both = launch({"runs": runs}, world_size=W, timeout=240)
+    for i in range(len(delays)):
+        r0, r1 = both[0][i], both[1][i]
+        assert len(r0["reads"]) == len(r1["reads"]) >= 6
+        for a, b in zip(r0["reads"], r1["reads"]):
+            assert a["global_steps"] == b["global_steps"] and torch.equal(a["state_dict"], b["state_dict"]), \
+                "ranks read different committed weights"
+            assert a["val_loss"] == b["val_loss"]
+        assert torch.equal(r0["final_params"], r1["final_params"])
+        assert r0["stats"]["micro_batches"] == r0["micro"], "finalize left micro-batches unapplied"
+        assert r0["reads"][3].get("saved")
+    saved, cfg, ckpt = both[0][0]["reads"][3], config(delays[0]), ckpts[0]  # one resume is enough
     resumed = launch({"runs": [dict(config=cfg, steps=saved["global_steps"] + 3, load=ckpt, pg_timeout=60)]},
                      world_size=W, timeout=150)
     for res in resumed:
@@ -186,11 +190,11 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     fresh processes load and continue: same parameters as 2N uninterrupted."""
     cfg = common.ds_config(acco={"mode": "acco"}, clip=0.05)
     n = 2
-    full = launch({"runs": [dict(config=cfg, steps=2 * n, lr_schedule=True)]}, world_size=W, timeout=240)[0][0]
     # k=2: commits at micro-batches 6 and 10; 11 stops inside the next estimate round.
     saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (10, 11)}
-    launch({"runs": [dict(config=cfg, steps=100, max_micro=stop, save=path, lr_schedule=True)
-                     for stop, path in saves.items()]}, world_size=W, timeout=240)
+    full = launch({"runs": [dict(config=cfg, steps=2 * n, lr_schedule=True)] + [
+        dict(config=cfg, steps=100, max_micro=stop, save=path, lr_schedule=True) for stop, path in saves.items()]},
+        world_size=W, timeout=240)[0][0]
     resumed = launch({"runs": [dict(config=cfg, steps=2 * n, load=path, lr_schedule=True) for path in saves.values()]},
                      world_size=W, timeout=240)[0]
     for r in resumed:
@@ -211,20 +215,20 @@ def test_an_error_on_one_rank_becomes_an_error_on_every_rank_not_a_hang():
     assert "ACCO communication failed" in results[0][1] or "Connection closed" in results[0][1], results[0][1][-3000:]
 
 
-@pytest.mark.parametrize("nan_at", [1, 3])
-def test_non_finite_gradients_skip_the_update_on_every_rank(nan_at):
-    """A NaN in the start-up round poisons the Peek and the commit; one in an
-    estimate round poisons the commit. Either way one step is skipped on both
-    ranks, the weights stay finite, and training goes on."""
-    spec = dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, nan_at_micro=nan_at)
-    results = launch({"runs": [spec]}, world_size=W, timeout=240)
-    r0, r1 = results[0][0], results[1][0]
-    assert r0["stats"]["skipped_steps"] == r1["stats"]["skipped_steps"] == 1
-    for a, b in zip(r0["params"], r1["params"]):
-        assert torch.equal(a, b) and torch.isfinite(a).all()
+def test_non_finite_gradients_skip_the_update_on_every_rank():
+    """A NaN in the start-up round (micro-batch 1) poisons the Peek and the commit; one in an estimate round
+    (micro-batch 3) poisons the commit. Either way one step is skipped on both ranks, the weights stay finite,
+    and training goes on."""
+    runs = [dict(config=common.ds_config(acco={"mode": "acco"}), steps=STEPS, nan_at_micro=nan_at) for nan_at in (1, 3)]
+    results = launch({"runs": runs}, world_size=W, timeout=240)
     init = flat_params(common.make_model(0)).float()
-    assert torch.equal(r0["params"][0], init), "the poisoned step changed the weights"
-    assert not torch.equal(r0["params"][1], init), "training did not go on after the skipped step"
+    for i in range(len(runs)):
+        r0, r1 = results[0][i], results[1][i]
+        assert r0["stats"]["skipped_steps"] == r1["stats"]["skipped_steps"] == 1
+        for a, b in zip(r0["params"], r1["params"]):
+            assert torch.equal(a, b) and torch.isfinite(a).all()
+        assert torch.equal(r0["params"][0], init), "the poisoned step changed the weights"
+        assert not torch.equal(r0["params"][1], init), "training did not go on after the skipped step"
 
 
 def deviation(a, b) -> float:

@@ -49,6 +49,47 @@ def _whole(results, run, steps):
              for s in range(steps)] for dp in range(2)]
 
 
+# EDiT (layer-wise sync, norm weighting and the pseudo-gradient clip: norms over the whole model) and
+# Streaming DiLoCo (2 fragments, each synced one inner step late, half local) on the split layouts
+OTHER_LOCAL_SGD = {
+    "edit": {"mode": "edit", "local_sgd": {"sync_every": 2, "replica_group_size": 1, "weighting": "norm",
+                                           "pseudo_grad_clip": 0.002}},
+    "streaming": {"mode": "diloco", "local_sgd": {"sync_every": 4, "replica_group_size": 1, "fragments": 2,
+                                                  "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}},
+}
+SPLIT_STEPS = 6  # EDiT syncs 3 times, each Streaming fragment once or twice
+
+
+def stage_fragments(model, stages, fragments):
+    """Streaming DiLoCo's fragment of each parameter when each of ``stages`` (lists of parameter counts, in
+    order) cuts its own parameters by the one-stage rule (parameter j of a stage with N elements goes to
+    fragment floor(F o_j / N))."""
+    sizes = [p.numel() for p in model.parameters()]
+    owner, j = [], 0
+    for count in stages:
+        stage = sizes[j:j + count]
+        owner += [fragments * sum(stage[:i]) // sum(stage) for i in range(count)]
+        j += count
+    assert j == len(sizes)
+    return owner
+
+
+def other_local_sgd_reference(name, block, model, micro_batch, world, steps, clip=0.0, owner=None):
+    """The local-SGD simulator of the unsplit model for one of OTHER_LOCAL_SGD."""
+    from acco_ds.config import ACCOConfig
+    from acco_ds.testing.simulator import simulate_local_sgd
+    cfg = ACCOConfig(enabled=True, **block)
+    o, l = cfg.outer, cfg.local_sgd
+    extra = (dict(weighting=l.weighting, pseudo_grad_clip=l.pseudo_grad_clip) if name == "edit" else
+             dict(fragments=l.fragments, fragment_sync_delay=l.fragment_sync_delay,
+                  fragment_update_alpha=l.fragment_update_alpha, fragment_owner=owner))
+    return simulate_local_sgd(block["mode"], model, common.loss_fn, micro_batch, world_size=world, group_size=1,
+                              gradient_accumulation_steps=2, steps=steps, sync_every=l.sync_every,
+                              optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=o["outer_lr"],
+                              outer_momentum=o["outer_momentum"], nesterov=o["nesterov"], clip=clip,
+                              dtype=torch.float64, **extra)
+
+
 @pytest.mark.timeout(600)
 def test_two_pipeline_stages_match_the_unsplit_simulator(tmp_path):
     """PP 2 x DP 2 on 4 ranks (one Linear per stage): sync, dpu, acco (two pipeline flushes per step, clipping
@@ -65,6 +106,8 @@ def test_two_pipeline_stages_match_the_unsplit_simulator(tmp_path):
     runs += [dict(config=common.ds_config(acco=diloco, gas=2), steps=STEPS, pipe=2, record_committed=True),
              dict(config=common.ds_config(acco={"mode": "acco"}, clip=clip), steps=100, pipe=2, max_micro=12,
                   save=ckpt)]
+    runs += [dict(config=common.ds_config(acco=block, gas=2), steps=SPLIT_STEPS, pipe=2, record_committed=True)
+             for block in OTHER_LOCAL_SGD.values()]
     results = launch({"runs": runs}, world_size=4, timeout=500)
     for i, mode in enumerate(("sync", "dpu", "acco")):
         ref = reference(mode, clip=clip if mode == "acco" else 0.0)
@@ -83,6 +126,16 @@ def test_two_pipeline_stages_match_the_unsplit_simulator(tmp_path):
     for dp, params in enumerate(_whole(results, 3, STEPS)):  # what users read: the anchor (the global model)
         assert_matches(params, ref["anchor"])
     assert not torch.equal(ref["anchor"][0], ref["anchor"][1]), "the anchor moves at the sync"
+    for i, (mode, block) in enumerate(OTHER_LOCAL_SGD.items(), start=5):  # EDiT's norms sum the stages
+        owner = stage_fragments(common.make_model(0), [2, 2], 2)  # each stage its Linear's weight and bias
+        assert owner == [0, 1, 0, 1], owner  # not the unsplit model's cut: the stages cut alone
+        ref = other_local_sgd_reference(mode, block, common.make_model(0), common.micro_batch, world=2,
+                                        steps=SPLIT_STEPS, owner=owner)
+        for dp, params in enumerate(_whole(results, i, SPLIT_STEPS)):
+            assert_matches(params, ref["anchor"])
+        if mode == "edit":
+            assert any(h["mean_norm"] > block["local_sgd"]["pseudo_grad_clip"]
+                       for h in results[0][i]["stats"]["sync_history"]), "the pseudo-gradient clip never bit"
     resumed = launch({"runs": [dict(config=common.ds_config(acco={"mode": "acco"}, clip=clip), steps=STEPS, pipe=2,
                                     load=ckpt)]}, world_size=4, timeout=300)
     for rank in range(4):

@@ -81,12 +81,22 @@ def test_resume_with_a_fragment_in_flight_is_exact(tmp_path):
     Saving after step 3 saves its δ̄ in flight (as received); after step 4 right after a sync. Fresh
     processes load and go on bit for bit; the checkpoint refuses another fragment count."""
     cfg = common.ds_config(acco=streaming(1, 2, 1, 0.5), gas=GAS, clip=0.05)
-    full = launch({"runs": [dict(config=cfg, steps=STEPS, record_committed=True)]}, world_size=2, timeout=300)
     saves = {stop: str(tmp_path / f"ckpt{stop}") for stop in (3, 4)}
-    launch({"runs": [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]},
-           world_size=2, timeout=300)
+    full = launch({"runs": [dict(config=cfg, steps=STEPS, record_committed=True)] + [
+        dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]},
+        world_size=2, timeout=300)
+    plain = common.ds_config(acco={"mode": "diloco", "local_sgd": {"sync_every": H, "replica_group_size": 1}},
+                             gas=GAS)
+    other_delay = common.ds_config(acco=streaming(1, 2, 0, 0.5), gas=GAS, clip=0.05)
+    # The module weights alone load (the committed g) and the outer loop starts over from them: nothing in
+    # flight, the windows from fragment 0, the loaded model as every fragment's g.
+    weights_only = {"load_optimizer_states": False, "load_lr_scheduler_states": False}
     resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path, record_committed=True)
-                               for path in saves.values()]}, world_size=2, timeout=300)
+                               for path in saves.values()] + [
+        dict(config=plain, steps=STEPS, load=saves[3], load_error=True),
+        dict(config=other_delay, steps=STEPS, load=saves[3], load_error=True),
+        dict(config=cfg, steps=STEPS, load=saves[3], record_committed=True, load_kwargs=weights_only)]},
+        world_size=2, timeout=300)
     for rank in range(2):
         want = full[rank][0]
         for stop, r in zip(saves, resumed[rank]):
@@ -95,22 +105,10 @@ def test_resume_with_a_fragment_in_flight_is_exact(tmp_path):
                 assert torch.equal(got, expect), (stop, (got - expect).abs().max())
             for got, expect in zip(r["committed"], want["committed"][stop:]):
                 assert torch.equal(got, expect), stop
-    plain = common.ds_config(acco={"mode": "diloco", "local_sgd": {"sync_every": H, "replica_group_size": 1}},
-                             gas=GAS)
-    failed = launch({"runs": [dict(config=plain, steps=STEPS, load=saves[3])]}, world_size=2, timeout=200,
-                    expect_failure=True)
-    for code, log in failed:
-        assert code != 0 and "saved with acco.local_sgd.fragments=2 but this run has 1" in log, log[-2000:]
-    other_delay = common.ds_config(acco=streaming(1, 2, 0, 0.5), gas=GAS, clip=0.05)
-    failed = launch({"runs": [dict(config=other_delay, steps=STEPS, load=saves[3])]}, world_size=2, timeout=200,
-                    expect_failure=True)
-    for code, log in failed:
-        assert code != 0 and "saved with acco.local_sgd.fragment_sync_delay=1 but this run has " \
-                             "fragment_sync_delay=0" in log, log[-2000:]
-    # The module weights alone load (the committed g) and the outer loop starts over from them: nothing in
-    # flight, the windows from fragment 0, the loaded model as every fragment's g.
-    weights = launch({"runs": [dict(config=cfg, steps=STEPS, load=saves[3], record_committed=True, load_kwargs={
-        "load_optimizer_states": False, "load_lr_scheduler_states": False})]}, world_size=2, timeout=200)
+        assert "saved with acco.local_sgd.fragments=2 but this run has 1" in resumed[rank][2]["load_error"]
+        assert "saved with acco.local_sgd.fragment_sync_delay=1 but this run has fragment_sync_delay=0" in \
+            resumed[rank][3]["load_error"]
+    weights = [r[4:] for r in resumed]
     for rank in range(2):
         r = weights[rank][0]
         assert torch.equal(r["loaded"]["params"], full[rank][0]["committed"][2])

@@ -11,6 +11,7 @@ import tp
 from acco_ds.testing.simulator import simulate
 from dist import launch
 from test_engine import assert_matches
+from test_pipeline import OTHER_LOCAL_SGD, SPLIT_STEPS, other_local_sgd_reference
 
 pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
 
@@ -47,8 +48,9 @@ def test_tensor_parallel_acco_matches_the_unsplit_simulator_and_sync_matches_sto
 
 @pytest.mark.timeout(600)
 def test_local_sgd_with_tensor_parallelism_matches_the_unsplit_simulator():
-    """diloco and co2 at DP 2 x TP 2: a replica is one data-parallel rank with its whole tensor-parallel group,
-    and the outer groups join the same tensor-parallel slice across replicas. Every replica's weights and the
+    """diloco, co2, EDiT (norm weighting, pseudo-gradient clip) and Streaming DiLoCo at DP 2 x TP 2: a replica
+    is one data-parallel rank with its whole tensor-parallel group, and the outer groups join the same
+    tensor-parallel slice across replicas. Every replica's weights and the
     anchor users read, assembled from the TP slices, match the local-SGD simulator of the unsplit model."""
     from acco_ds.config import ACCOConfig
     from acco_ds.testing.simulator import simulate_local_sgd
@@ -56,7 +58,18 @@ def test_local_sgd_with_tensor_parallelism_matches_the_unsplit_simulator():
     blocks = {m: {"mode": m, "local_sgd": {"sync_every": 2, "replica_group_size": 1}} for m in modes}
     runs = [dict(config=common.ds_config(acco=blocks[m], gas=2, clip=0.05), steps=STEPS + 2, tp=TP,
                  record_committed=True) for m in modes]
+    runs += [dict(config=common.ds_config(acco=block, gas=2, clip=0.05), steps=SPLIT_STEPS, tp=TP,
+                  record_committed=True) for block in OTHER_LOCAL_SGD.values()]
     results = launch({"runs": runs}, world_size=4, timeout=500)
+    for i, (name, block) in enumerate(OTHER_LOCAL_SGD.items(), start=len(modes)):  # EDiT's norms count slices once
+        ref = other_local_sgd_reference(name, block, tp.make_full(0), common.micro_batch, world=2,
+                                        steps=SPLIT_STEPS, clip=0.05)
+        for dp in range(2):
+            ranks = [dp * TP + t for t in range(TP)]
+            assert_matches([tp.assemble([results[r][i]["committed"][k] for r in ranks]) for k in range(SPLIT_STEPS)],
+                           ref["anchor"])
+            assert_matches([tp.assemble([results[r][i]["params"][k] for r in ranks]) for k in range(SPLIT_STEPS)],
+                           ref["replicas"][dp])
     for i, mode in enumerate(modes):
         s = ACCOConfig(enabled=True, **blocks[mode]).outer
         ref = simulate_local_sgd(mode, tp.make_full(0), common.loss_fn, common.micro_batch, world_size=2,

@@ -126,6 +126,12 @@ def run(spec, rank, world):
         from acco_ds.runtime.outer.interface import register_outer_loop
         register_outer_loop(mode, factory)
     key = spec.get("config_key", "config")
+    if spec.get("init_error"):  # a config every rank must refuse at initialize: what each said
+        try:
+            init(model=model, model_parameters=params, **{key: config}, **kwargs)
+        except Exception as err:  # noqa: BLE001 - the refusal is the result
+            return {"init_error": f"{type(err).__name__}: {err}"}
+        raise AssertionError("initialize accepted a config it must refuse")
     engine, _, _, _ = init(model=model, model_parameters=params, **{key: config}, **kwargs)
     layout = None
     if int(spec.get("pipe", 0)) > 1:  # each stage's ranks read the data of their data-parallel rank

@@ -122,7 +122,8 @@ def guard_deepspeed_shm_op() -> None:
         except JitLockTimeout as err:
             logger.warning(f"acco_ds: DeepSpeed's shared-memory op is not loaded ({err}); DeepSpeed runs without it")
             return None
-        if op is not None and not getattr(op.initialize, "_acco_unlinks", False):
+        init = getattr(op, "initialize", None)
+        if init is not None and not getattr(init, "_acco_unlinks", False):
             op.initialize = _unlinking_initialize(op.initialize)
         return op
 

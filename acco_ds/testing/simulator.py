@@ -201,6 +201,7 @@ def simulate_local_sgd(mode: str,
                        fragments: int = 1,
                        fragment_sync_delay: int = 0,
                        fragment_update_alpha: float = 0.0,
+                       fragment_owner: Optional[List[int]] = None,
                        dtype: torch.dtype = torch.float64) -> dict:
     """``diloco`` / ``co2`` / ``edit`` (docs/design.md section 2) with ``R = world_size / group_size`` replicas.
 
@@ -216,7 +217,8 @@ def simulate_local_sgd(mode: str,
         edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``edit_penalty.edit_mean``)
 
     Streaming DiLoCo (``diloco`` with ``fragments`` F, ``fragment_sync_delay`` τ, ``fragment_update_alpha``
-    α; docs/design.md section 10): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋;
+    α; docs/design.md section 10): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋
+    (``fragment_owner`` overrides that, e.g. pipeline stages each cutting their own parameters);
     window w of h = sync_every / F steps belongs to fragment f = w mod F; at its step h − τ the mean
     δ̄_f of x_f − θ_{i,f} is taken, at its step h x_f = Outer(x_f, δ̄_f) with fragment f's own momentum and
     θ_{i,f} = lerp(x_f, θ_{i,f}, α).
@@ -294,7 +296,7 @@ def simulate_local_sgd(mode: str,
     streaming = mode == "diloco" and (fragments, fragment_sync_delay, fragment_update_alpha) != (1, 0, 0.0)
     if streaming:
         sizes = [p.numel() for p in params[0]]
-        owner = [fragments * sum(sizes[:j]) // sum(sizes) for j in range(len(sizes))]
+        owner = fragment_owner or [fragments * sum(sizes[:j]) // sum(sizes) for j in range(len(sizes))]
         members = [torch.cat([torch.full((n,), owner[j] == f) for j, n in enumerate(sizes)]) for f in range(fragments)]
         h, pending = sync_every // fragments, None
 
