@@ -48,7 +48,7 @@ def test_tensor_parallel_acco_matches_the_unsplit_simulator_and_sync_matches_sto
 
 @pytest.mark.timeout(600)
 def test_local_sgd_with_tensor_parallelism_matches_the_unsplit_simulator():
-    """diloco, co2, EDiT (norm weighting, pseudo-gradient clip) and Streaming DiLoCo at DP 2 x TP 2: a replica
+    """diloco, co2, EDiT (norm weighting, pseudo-gradient clip), A-EDiT and Streaming DiLoCo at DP 2 x TP 2: a replica
     is one data-parallel rank with its whole tensor-parallel group, and the outer groups join the same
     tensor-parallel slice across replicas. Every replica's weights and the
     anchor users read, assembled from the TP slices, match the local-SGD simulator of the unsplit model."""
@@ -60,7 +60,28 @@ def test_local_sgd_with_tensor_parallelism_matches_the_unsplit_simulator():
                  record_committed=True) for m in modes]
     runs += [dict(config=common.ds_config(acco=block, gas=2, clip=0.05), steps=SPLIT_STEPS, tp=TP,
                   record_committed=True) for block in OTHER_LOCAL_SGD.values()]
+    # A-EDiT: rank 3 (replica 1's second TP slice) takes twice as long per micro-batch on an injected clock
+    a_edit = {"mode": "edit", "local_sgd": {"sync_time_s": 9.0, "replica_group_size": 1}}
+    runs.append(dict(config=common.ds_config(acco=a_edit, gas=2), steps=10**6, until_syncs=3, tp=TP,
+                     fake_clock=[1.0, 1.0, 1.0, 2.0], record_committed=True))
     results = launch({"runs": runs}, world_size=4, timeout=500)
+    i = len(runs) - 1  # A-EDiT's clock is the slowest rank of the whole replica: both slices end periods together
+    period_steps = [[int(s) for s in h["steps"]] for h in results[0][i]["stats"]["sync_history"]]
+    assert len(period_steps) == 3 and all(fast > slow for fast, slow in period_steps), period_steps
+    assert [len(results[r][i]["params"]) for r in range(4)] == [sum(p[0] for p in period_steps)] * 2 + \
+        [sum(p[1] for p in period_steps)] * 2
+    s = ACCOConfig(enabled=True, **a_edit).outer
+    ref = simulate_local_sgd("edit", tp.make_full(0), common.loss_fn, common.micro_batch, world_size=2, group_size=1,
+                             gradient_accumulation_steps=2, steps=0, sync_every=1,
+                             optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=s["outer_lr"],
+                             outer_momentum=s["outer_momentum"], nesterov=s["nesterov"], period_steps=period_steps,
+                             dtype=torch.float64)
+    for dp in range(2):
+        ranks = [dp * TP + t for t in range(TP)]
+        steps = len(results[ranks[0]][i]["params"])
+        assert_matches([tp.assemble([results[r][i]["params"][k] for r in ranks]) for k in range(steps)],
+                       ref["replicas"][dp])
+        assert_matches([tp.assemble([results[r][i]["committed"][-1] for r in ranks])], [ref["anchor"][-1]])
     for i, (name, block) in enumerate(OTHER_LOCAL_SGD.items(), start=len(modes)):  # EDiT's norms count slices once
         ref = other_local_sgd_reference(name, block, tp.make_full(0), common.micro_batch, world=2,
                                         steps=SPLIT_STEPS, clip=0.05)
