@@ -38,12 +38,17 @@ def flatten(d, pre=""):
     return out
 
 
+def layer_tp_size(folder):
+    """How many tensor-parallel ranks the pipeline engine's layer files name (0: the plain engine, no layer files)."""
+    return len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")})
+
+
 def module_tensors(folder, mp):
     """The module weights a checkpoint shows for model-parallel rank ``mp``, named as zero_to_fp32 names them.
     Layer files are named by tensor-parallel rank (``model_XX``) and hold every pipeline stage's layers;
     Megatron's model-parallel rank is stage x TP size + TP rank, so its TP rank is ``mp % TP size``
     (``match`` keeps the layers of the stage whose master weights it is given)."""
-    tp_size = len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")})
+    tp_size = layer_tp_size(folder)
     if not tp_size:
         return flatten(load(f"{folder}/mp_rank_{mp:02d}_model_states.pt")["module"])
     layers = sorted(glob.glob(f"{folder}/layer_*-model_{mp % tp_size:02d}-model_states.pt"))
@@ -101,7 +106,7 @@ def check_master(ckpt, tag=None):
     folder = f"{ckpt}/{tag}"
     mps = sorted({int(m) for m in re.findall(r"mp_rank_(\d+)_model_states", " ".join(os.listdir(folder)))})
     worst, count = 0.0, 0
-    tp_size = max(1, len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")}))
+    tp_size = max(1, layer_tp_size(folder))
     for mp in mps:
         pairs = match(module_tensors(folder, mp), master_tensors(folder, tag, mp), tied_here=mp < tp_size)
         diff = {k: (v.float() - m.to(v.dtype).float()).abs().max().item() for k, (v, m) in pairs.items()}
