@@ -8,8 +8,9 @@ set of rank processes with logs and deadlines, and the cleanup of all of it.
   TCP goodput check (``goodput()``); ``close()`` removes them, ``cleanup_leftovers()`` those of a run
   that was killed with SIGKILL. Addresses are only ever used inside these namespaces.
 * ``link_tx_bytes()``: inside a rank, the bytes sent so far on gloo's interface (GLOO_SOCKET_IFNAME).
-* ``CpuCap``: a CPU cgroup that holds a command and its children to a number of cores (one emulated node
-  per replica on a machine with fewer cores than replicas); ``wrap(argv)`` starts a command inside it.
+* ``CpuCap`` (from cpucap.py): a CPU cgroup that holds a command and its children to a number of cores (one
+  emulated node per replica on a machine with fewer cores than replicas); ``wrap(argv)`` starts a command
+  inside it.
 * ``cpu_name()``, ``skip_deepspeed_shm_op()`` (inside a rank: no JIT build of DeepSpeed's inference-only
   op), ``processes_naming()`` (what a benchmark left running).
 * ``rank_env()``, ``RankSet``: one process per rank, started at once, each in its own session with its
@@ -60,7 +61,8 @@ def sh(*cmd, check=True, timeout=30):
 
 # ---------------------------------------------------------------------- network
 ADDRS = ["10.231.0.1", "10.231.0.2"]  # rank r's address, inside the namespaces of a Network only
-_NAME = re.compile(r"^acco-[a-z]+-(\d+)-")  # acco-<tag>-<pid of the creating process>-...
+from cpucap import (  # noqa: E402,F401 - CpuCap and its cleanup are re-exported; the naming is shared
+    CGROUP_V1_CPU, CGROUP_V2, OWNED_NAME as _NAME, CpuCap, remove_leftover_caps)
 LEGACY_NAMESPACES = ("accobench", "acco_fd", "acco_cb")  # fixed names used by earlier versions of the scripts
 
 
@@ -279,95 +281,6 @@ def link_tx_bytes():
     with open("/proc/net/snmp") as f:
         tcp = [line.split() for line in f if line.startswith("Tcp:")]
     return sent, int(tcp[1][tcp[0].index("RetransSegs")])
-
-
-# -------------------------------------------------------------------- CPU caps
-CGROUP_V1_CPU, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-
-
-class CpuCap:
-    """A CPU cgroup that holds what ``wrap(argv)`` starts (and its children) to ``cores`` cores: the cgroup v1
-    ``cpu`` controller's CFS quota, or cgroup v2's ``cpu.max``; ``shares``: its weight against other work
-    (v1 ``cpu.shares``, a process's being 1024), so that a loaded machine still gives it its cores. ``close()`` removes it (its processes must be
-    gone: kill them first). ``CpuCap.unavailable()`` says why none can be made here (None when one can).
-    Named ``acco-<tag>-<pid of the creating process>-<n>``, like ``Network``'s namespaces."""
-
-    _created = 0
-    PERIOD_US = 100_000
-
-    def __init__(self, cores, tag="cap", shares=1024):
-        root = self._root()
-        name = f"acco-{tag}-{os.getpid()}-{CpuCap._created}"
-        CpuCap._created += 1
-        self.cores, self.path = cores, root / name
-        self.path.mkdir()
-        quota = int(cores * self.PERIOD_US)
-        try:
-            if root == CGROUP_V1_CPU:
-                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-                (self.path / "cpu.shares").write_text(str(shares))
-            else:
-                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
-                (self.path / "cpu.weight").write_text(str(max(1, min(10000, shares * 100 // 1024))))
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def _root():
-        if (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
-            return CGROUP_V1_CPU
-        if "cpu" in (CGROUP_V2 / "cgroup.subtree_control").read_text().split():
-            return CGROUP_V2
-        raise OSError("no cgroup CPU controller: neither /sys/fs/cgroup/cpu (v1) nor cpu in "
-                      "/sys/fs/cgroup/cgroup.subtree_control (v2)")
-
-    @classmethod
-    def unavailable(cls):
-        if os.geteuid() != 0:
-            return "CPU cgroups need root (this process is not root)"
-        try:
-            cls._root()
-        except OSError as err:
-            return str(err)
-        return None
-
-    def wrap(self, argv):
-        """``argv`` started inside the cgroup (a shell moves itself in, then execs it: the pid stays the
-        command's)."""
-        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs")] + list(argv)
-
-    def throttled(self):
-        """The share of scheduler periods in which the cap held its processes back (None: not known)."""
-        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines() if line.strip())
-        periods = int(stat.get("nr_periods", 0))
-        return round(int(stat.get("nr_throttled", 0)) / periods, 3) if periods else None
-
-    def close(self):
-        for _ in range(50):  # rmdir fails while a killed process is still being reaped
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
-def remove_leftover_caps():
-    """Remove the CPU cgroups of processes now gone (a SIGKILLed benchmark); returns their paths."""
-    removed = []
-    for root in (CGROUP_V1_CPU, CGROUP_V2):
-        for path in root.glob("acco-*") if root.exists() else ():
-            m = _NAME.match(path.name + "-")
-            if m and not os.path.exists(f"/proc/{m.group(1)}"):
-                try:
-                    path.rmdir()
-                    removed.append(str(path))
-                except OSError:
-                    pass
-    return removed
 
 
 # ------------------------------------------------------------------------ ranks
