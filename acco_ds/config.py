@@ -182,15 +182,17 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
     except ValidationError as err:
         lines = []
         for e in err.errors():
-            key = "acco." + ".".join(str(p) for p in e["loc"]) if e["loc"] else "acco"
+            # a list item is named by its key and position: "acco.compression.apply_to" (item 0)
+            names = ".".join(["acco", *(str(p) for p in e["loc"] if not isinstance(p, int))])
+            where = f'"{names}"' + "".join(f" (item {p})" for p in e["loc"] if isinstance(p, int))
             if e["type"] == "extra_forbidden":
                 known = ", ".join(ACCOConfig.model_fields)
-                lines.append(f'unknown key "{key}" (misspelled?). Known keys: {known}')
+                lines.append(f'unknown key {where} (misspelled?). Known keys: {known}')
             else:
                 hint = (": write true or false (a JSON boolean)" if e["type"].startswith("bool") else
                         ": write a whole number such as 4 (a JSON integer, not a string, a float or a boolean)"
                         if e["type"].startswith("int") else "")
-                lines.append(f'"{key}": {e["msg"]} (got {e.get("input")!r}){hint}')
+                lines.append(f'{where}: {e["msg"]} (got {e.get("input")!r}){hint}')
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
 
 

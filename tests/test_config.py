@@ -78,7 +78,7 @@ def test_enabled_takes_only_json_booleans(value):
      'acco.compression.apply_to "outer" compresses the local-SGD outer all-reduce, but acco.mode is "acco"'),
     ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["rounds", "rounds"]}}, "lists an entry twice"),
     ({"enabled": True, "compression": {"dtype": "int8", "apply_to": []}}, '"acco.compression.apply_to"'),
-    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["grads"]}}, '"acco.compression.apply_to.0"'),
+    ({"enabled": True, "compression": {"dtype": "int8", "apply_to": ["grads"]}}, '"acco.compression.apply_to" (item 0)'),
     ({"enabled": True, "compression": {"dtype": "int8", "error_feedback": False, "residual_dtype": "bf16"}},
      "residual_dtype sets the dtype of the error-feedback residuals, but acco.compression.error_feedback is false"),
     ({"enabled": True, "compression": {"dtype": "int8", "error_feedback": "yes"}}, '"acco.compression.error_feedback"'),

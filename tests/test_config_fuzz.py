@@ -10,13 +10,14 @@ import os
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
                             check_deepspeed_config, parse_acco_config)
 from acco_ds.config_ft import FaultToleranceConfig
+from acco_ds.config_local import AnomalyConfig
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))
@@ -27,6 +28,7 @@ KNOWN_LOCAL = set(LocalSGDConfig.model_fields)
 KNOWN_COLLECTIVES = set(CollectivesConfig.model_fields)
 KNOWN_COMPRESSION = set(CompressionConfig.model_fields)
 KNOWN_FT = set(FaultToleranceConfig.model_fields)
+KNOWN_ANOMALY = set(AnomalyConfig.model_fields)
 # Misspellings, and names that are special to pydantic or DeepSpeedConfigModel.__init__(strict=...).
 TRICKY_KEYS = ["enabld", "Enabled", "mode ", "modes", "accumulate", "kernel", "timeout", "max_micro_batches",
                "emulations", "strict", "self", "model_config", "model_fields", "__class__", "data", "replace_method",
@@ -97,8 +99,11 @@ def check_parse(block):
         unknown += [f"acco.emulation.{k}" for k in emulation if k not in KNOWN_EMULATION]
     if isinstance(coll, dict):
         unknown += [f"acco.collectives.{k}" for k in coll if k not in KNOWN_COLLECTIVES]
+    anomaly = local.get("anomaly") if isinstance(local, dict) else None  # the one block nested two deep
     if isinstance(local, dict):
         unknown += [f"acco.local_sgd.{k}" for k in local if k not in KNOWN_LOCAL]
+    if isinstance(anomaly, dict):
+        unknown += [f"acco.local_sgd.anomaly.{k}" for k in anomaly if k not in KNOWN_ANOMALY]
     try:
         cfg = parse_acco_config({"acco": block})
     except ValueError as err:
@@ -111,7 +116,8 @@ def check_parse(block):
                     local if isinstance(local, dict) else {})] + [f"acco.collectives.{k}" for k in (
                         coll if isinstance(coll, dict) else {})] + [f"acco.compression.{k}" for k in (
                             comp if isinstance(comp, dict) else {})] + [f"acco.fault_tolerance.{k}" for k in (
-                                ft if isinstance(ft, dict) else {})]
+                                ft if isinstance(ft, dict) else {})] + [f"acco.local_sgd.anomaly.{k}" for k in (
+                                    anomaly if isinstance(anomaly, dict) else {})]
             assert any(named(message, p) for p in paths), message
         return None
     assert not unknown, f"unknown keys accepted: {unknown}"
@@ -153,6 +159,8 @@ def check_parse(block):
 @pytest.mark.timeout(600)
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(acco_blocks())
+@example({"accumulation": "fixed", "collectives": {}, "compression": {}, "max_micro_batches_per_round": None,
+          "local_sgd": {"anomaly": {"": "auto"}}})  # found by this test: an empty key two blocks deep
 def test_random_acco_blocks(block):
     check_parse(block)
 
