@@ -43,12 +43,11 @@ def layer_tp_size(folder):
     return len({re.search(r"-model_(\d+)-", p).group(1) for p in glob.glob(f"{folder}/layer_*-model_*")})
 
 
-def module_tensors(folder, mp):
+def module_tensors(folder, mp, tp_size):
     """The module weights a checkpoint shows for model-parallel rank ``mp``, named as zero_to_fp32 names them.
     Layer files are named by tensor-parallel rank (``model_XX``) and hold every pipeline stage's layers;
     Megatron's model-parallel rank is stage x TP size + TP rank, so its TP rank is ``mp % TP size``
-    (``match`` keeps the layers of the stage whose master weights it is given)."""
-    tp_size = layer_tp_size(folder)
+    (``match`` keeps the layers of the stage whose master weights it is given). ``tp_size``: ``layer_tp_size``."""
     if not tp_size:
         return flatten(load(f"{folder}/mp_rank_{mp:02d}_model_states.pt")["module"])
     layers = sorted(glob.glob(f"{folder}/layer_*-model_{mp % tp_size:02d}-model_states.pt"))
@@ -106,9 +105,10 @@ def check_master(ckpt, tag=None):
     folder = f"{ckpt}/{tag}"
     mps = sorted({int(m) for m in re.findall(r"mp_rank_(\d+)_model_states", " ".join(os.listdir(folder)))})
     worst, count = 0.0, 0
-    tp_size = max(1, layer_tp_size(folder))
+    tp_size = layer_tp_size(folder)
     for mp in mps:
-        pairs = match(module_tensors(folder, mp), master_tensors(folder, tag, mp), tied_here=mp < tp_size)
+        pairs = match(module_tensors(folder, mp, tp_size), master_tensors(folder, tag, mp),
+                      tied_here=mp < max(1, tp_size))
         diff = {k: (v.float() - m.to(v.dtype).float()).abs().max().item() for k, (v, m) in pairs.items()}
         worst, count = max(worst, max(diff.values())), count + len(diff)
         print(f"{tag} mp_rank_{mp:02d}: {len(diff)} tensors, max abs difference {max(diff.values()):.3e}")
