@@ -125,3 +125,126 @@ def dequantize_accumulate(q: torch.Tensor, scales: torch.Tensor, out: torch.Tens
     deq = _pad(q.reshape(-1).float(), nb * block_size).view(nb, block_size) * scales.view(-1)[:, None]
     total = out.view(-1).float() + deq.reshape(-1)[:n]
     out.view(-1).copy_(total)
+
+
+# ------------------------------------------------------------------ sparse outer communication (sparseloco)
+# Chunks: chunk c is ``e[offsets[c]:offsets[c+1]]`` of a flat fp32 tensor (1 <= length <= MAX_CHUNK); a
+# parameter tensor is cut into chunks of ``chunk`` elements (its last one may be shorter), never spanning two
+# tensors (``chunk_offsets``). In each chunk the ``min(topk, length)`` entries of largest ``|e|`` are kept
+# (ties: the lower index), listed in ascending index order. Wire format of one replica's payload:
+# * ``indices``: int16, one per kept entry: its index inside its chunk, as the 16 bits of an unsigned number
+#   (``int(i) & 0xFFFF``), chunk after chunk;
+# * ``values``: with ``value_bits`` b in {2, 4, 8}: uint8, each chunk's level codes packed little-endian
+#   (entry j of a chunk at bit j*b of that chunk's bytes), each chunk starting on a byte; with b = 0 (no
+#   quantization): the kept values themselves, fp32;
+# * ``scales``: fp32, one per chunk: ``m = max |v|`` over the chunk's kept values (b = 0: empty).
+# Code i of a value v is the nearest of the 2^b levels ``m * (2i / (2^b - 1) - 1)``, computed in fp32 as
+# ``i = clamp(rint((v / m + 1) * (0.5 * (2^b - 1))), 0, 2^b - 1)`` (rint: ties to even) and
+# ``q = m * ((float)(2 i) / (float)(2^b - 1) - 1)``; ``m == 0`` gives i = 0 and q = 0. Non-finite input is
+# not defined: the engine refuses a non-finite pseudo-gradient before it packs one.
+MAX_CHUNK = 65536
+SPARSE_VALUE_BITS = (0, 2, 4, 8)
+
+
+def chunk_offsets(numels, chunk: int) -> torch.Tensor:
+    """int64 offsets (C + 1) of the chunks of tensors of ``numels`` elements laid end to end."""
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"chunk must be in [1, {MAX_CHUNK}] (indices travel as 16 bits), got {chunk}")
+    bounds, start = [0], 0
+    for n in numels:
+        bounds.extend(range(start + chunk, start + n, chunk))
+        start += n
+        if n:
+            bounds.append(start)
+    return torch.tensor(bounds, dtype=torch.int64)
+
+
+def sparse_layout(offsets: torch.Tensor, topk: int, value_bits: int):
+    """``(kept, entry_starts, byte_starts)``: entries kept per chunk (C), and the start of each chunk's
+    entries in ``indices`` and of its codes in ``values`` (C + 1 each; the last is the total)."""
+    if value_bits not in SPARSE_VALUE_BITS:
+        raise ValueError(f"value_bits must be one of 2, 4, 8 or 0 (fp32 values), got {value_bits}")
+    lengths = offsets[1:] - offsets[:-1]
+    kept = lengths.clamp(max=topk)
+    zero = torch.zeros(1, dtype=torch.int64)
+    entry_starts = torch.cat([zero, kept.cumsum(0)])
+    nbytes = (kept * value_bits + 7) // 8 if value_bits else kept * 4
+    return kept, entry_starts, torch.cat([zero, nbytes.cumsum(0)])
+
+
+def sparse_payload_bytes(offsets: torch.Tensor, topk: int, value_bits: int) -> int:
+    """Bytes of one replica's payload: 2 per index, the values, 4 per chunk scale (b > 0)."""
+    kept, entry_starts, byte_starts = sparse_layout(offsets, topk, value_bits)
+    scales = 4 * kept.numel() if value_bits else 0
+    return int(2 * entry_starts[-1] + byte_starts[-1] + scales)
+
+
+def _chunk_rows(e: torch.Tensor, offsets: torch.Tensor):
+    """(rows [C, maxlen] of |e| padded with -1, positions [C, maxlen] in e (-1 where padded))."""
+    lengths = offsets[1:] - offsets[:-1]
+    width = int(lengths.max()) if lengths.numel() else 0
+    col = torch.arange(width, dtype=torch.int64)
+    pos = offsets[:-1, None] + col[None, :]
+    valid = col[None, :] < lengths[:, None]
+    pos = torch.where(valid, pos, torch.full_like(pos, -1))
+    mags = torch.where(valid, e.abs()[pos.clamp(min=0)], torch.full(pos.shape, -1.0))
+    return mags, pos
+
+
+def _levels(v: torch.Tensor, m: torch.Tensor, value_bits: int):
+    """(codes, dequantized values) of ``v`` with per-entry chunk maxima ``m`` (fp32; see the wire format)."""
+    top = float(2**value_bits - 1)
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    t = (v / safe + 1.0) * (0.5 * top)
+    codes = torch.where(m > 0, torch.round(t).clamp(0, top), torch.zeros_like(t))
+    q = m * ((2.0 * codes) / top - 1.0)
+    return codes.to(torch.int64), torch.where(m > 0, q, torch.zeros_like(q))
+
+
+@torch.no_grad()
+def sparse_pack(e: torch.Tensor, offsets: torch.Tensor, *, topk: int, value_bits: int):
+    """Keep the top ``topk`` of each chunk of ``e`` (fp32, flat), quantize, pack; ``e[kept] -= q`` in place
+    (the error-feedback residual stays). Returns ``(indices, values, scales)`` (see the wire format)."""
+    kept, entry_starts, byte_starts = sparse_layout(offsets, topk, value_bits)
+    mags, pos = _chunk_rows(e, offsets)
+    order = torch.sort(mags, dim=1, descending=True, stable=True).indices[:, :topk]
+    rank = torch.arange(order.shape[1])[None, :]
+    valid = rank < kept[:, None]
+    chosen = torch.sort(torch.where(valid, order, torch.full_like(order, 1 << 30)), dim=1).values
+    where = chosen[valid]  # index inside the chunk, chunk after chunk, ascending
+    chunk_of = torch.repeat_interleave(torch.arange(kept.numel()), kept)
+    flat_pos = offsets[:-1][chunk_of] + where
+    v = e[flat_pos]
+    if value_bits == 0:
+        q, values, scales = v.clone(), v.clone(), e.new_zeros(0)
+    else:
+        m = torch.zeros(kept.numel(), dtype=torch.float32).scatter_reduce(0, chunk_of, v.abs(), "amax")
+        codes, q = _levels(v, m[chunk_of], value_bits)
+        j = torch.arange(where.numel()) - entry_starts[:-1][chunk_of]  # entry number inside its chunk
+        bit = j * value_bits
+        byte = byte_starts[:-1][chunk_of] + bit // 8
+        values = torch.zeros(int(byte_starts[-1]), dtype=torch.int64).index_add_(0, byte, codes << (bit % 8))
+        values, scales = values.to(torch.uint8), m
+    e[flat_pos] = e[flat_pos] - q
+    return where.to(torch.int16), values, scales
+
+
+@torch.no_grad()
+def sparse_unpack_accumulate(out: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                             scales: torch.Tensor, *, topk: int, value_bits: int, weight: float = 1.0) -> None:
+    """``out[kept] += q * weight`` (fp32 ``out``; the product rounded to fp32 before the addition) for one
+    replica's payload from ``sparse_pack``."""
+    kept, entry_starts, byte_starts = sparse_layout(offsets, topk, value_bits)
+    chunk_of = torch.repeat_interleave(torch.arange(kept.numel()), kept)
+    where = indices.to(torch.int64) & 0xFFFF
+    flat_pos = offsets[:-1][chunk_of] + where
+    if value_bits == 0:
+        q = values.float()
+    else:
+        j = torch.arange(where.numel()) - entry_starts[:-1][chunk_of]
+        bit = j * value_bits
+        byte = values.to(torch.int64)[byte_starts[:-1][chunk_of] + bit // 8]
+        codes = (byte >> (bit % 8)) & (2**value_bits - 1)
+        m = scales[chunk_of]
+        q = torch.where(m > 0, m * ((2.0 * codes.float()) / float(2**value_bits - 1) - 1.0), torch.zeros_like(m))
+    out[flat_pos] = out[flat_pos] + q * weight
