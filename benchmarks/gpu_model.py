@@ -71,3 +71,34 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.ln_f(x) @ self.tok.weight.t()
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+class StepProfiler:
+    """``torch.profiler`` over micro-batches ``[start, stop)`` of a run; ``tables()`` gives the top ops by self
+    device time and by self CPU time (where a mode's time goes next to stock's)."""
+
+    def __init__(self, start, stop, cuda, rows=25):
+        self.start, self.stop, self.cuda, self.rows, self.prof = start, stop, cuda, rows, None
+
+    def step(self, i):
+        from torch.profiler import ProfilerActivity, profile
+        if i == self.start:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        elif i == self.stop:
+            self.close()
+
+    def close(self):
+        if self.prof is not None and not getattr(self, "closed", False):
+            self.closed = True
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+
+    def tables(self):
+        if self.prof is None:
+            return None
+        ka = self.prof.key_averages()
+        keys = (["self_device_time_total"] if self.cuda else []) + ["self_cpu_time_total"]
+        return {k: ka.table(sort_by=k, row_limit=self.rows, max_name_column_width=60) for k in keys}

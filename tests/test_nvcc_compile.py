@@ -32,3 +32,18 @@ def test_cuda_kernels_compile(arch, tmp_path):
             assert kernel in symbols, f"{kernel} missing from {obj.name}"
         for fn in ("acco::cuda::quantize_pack(", "acco::cuda::dequantize_accumulate(", "acco::cuda::adam_update("):
             assert fn in symbols, f"{fn} missing from {obj.name}"
+
+
+def test_arch_specific_entries_build_for_the_plain_arch(monkeypatch):
+    """CUDA images set TORCH_CUDA_ARCH_LIST with arch-specific entries ("9.0a"), which DeepSpeed 0.19's parser
+    fails on ("invalid literal for int() with base 10: '0a'", seen on an H100 image): the builder reads the
+    plain arch while DeepSpeed parses it, and the variable is restored afterwards."""
+    from acco_ds.ops.builder import AccoCUDAOpBuilder, plain_arch_list
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a 10.0a+PTX")
+    builder = AccoCUDAOpBuilder()
+    with pytest.raises(ValueError, match="invalid literal"):
+        builder.compute_capability_args()  # DeepSpeed alone
+    with plain_arch_list():
+        args = builder.compute_capability_args()
+    assert any("sm_90" in a for a in args) and any("compute_100" in a for a in args), args
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0 9.0a 10.0a+PTX"

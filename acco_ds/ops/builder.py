@@ -15,6 +15,7 @@ This module imports nothing from acco_ds, so that setup.py can load it alone.
 import contextlib
 import importlib
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -162,12 +163,43 @@ class AccoCUDAOpBuilder(_AccoOpBuilder, CUDAOpBuilder):
         args = [a for a in super().nvcc_args() if a != "--use_fast_math"]
         return args + ["-fmad=false"] if args else args
 
+    def jit_load(self, verbose=True):
+        with plain_arch_list():
+            return super().jit_load(verbose)
+
+    def builder(self):
+        with plain_arch_list():
+            return super().builder()
+
     def is_compatible(self, verbose=False):
         import torch
         if not torch.cuda.is_available() and os.environ.get("ACCO_BUILD_CUDA", "0") != "1":
             self.error_log = "torch.cuda.is_available() is False (set ACCO_BUILD_CUDA=1 to build anyway)"
             return False
         return super().is_compatible(verbose)
+
+
+@contextlib.contextmanager
+def plain_arch_list():
+    """``TORCH_CUDA_ARCH_LIST`` without arch-specific suffixes ("9.0a" -> "9.0") while DeepSpeed reads it.
+
+    torch accepts "9.0a" (sm_90a, for Hopper-only instructions) and CUDA images set it; DeepSpeed 0.19 parses
+    each entry as integers and fails on it ("invalid literal for int() with base 10: '0a'"). These kernels use
+    no arch-specific instruction, so the plain architecture builds the same code."""
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if saved:
+        plain = []
+        for entry in saved.replace(" ", ";").split(";"):
+            m = re.fullmatch(r"(\d+)\.(\d+)[a-z]*(\+PTX)?", entry.strip())
+            cc = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry.strip()
+            if cc and cc not in plain:
+                plain.append(cc)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(plain)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
 BUILDERS = {"cpu": AccoCPUOpBuilder, "cuda": AccoCUDAOpBuilder}
