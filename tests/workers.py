@@ -222,7 +222,14 @@ def run(spec, rank, world):
             return micro - reached < spec.get("extra_micro", 0)
         return engine.global_steps < target
 
-    while more() and micro < limit:
+    adaptive = (config.get("acco") or {}).get("accumulation") == "adaptive"
+
+    def keep_going():
+        if adaptive and micro % gas:  # ranks agree on global_steps at step boundaries (they align there)
+            return micro < limit
+        return more() and micro < limit
+
+    while keep_going():
         if spec.get("pipe"):
             out["losses"].append(float(engine.train_batch(data_iter=batches)))
             record()

@@ -154,6 +154,8 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         """``DeepSpeedEngine.step()`` at accumulation boundaries: updates already happened when their round
         ended (in backward); only ``was_step_applied()`` and the LR-scheduler arguments are settled here."""
         self.__dict__["_acco_lr_kwargs"] = lr_kwargs
+        if self.optimizer.schedule.adaptive:  # a user collective between steps finds no rank waiting on a peer
+            self._acco_align_rounds()
         self._step_applied = self._acco_applied
         self.__dict__["_acco_applied"] = False
 

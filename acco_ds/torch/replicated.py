@@ -167,6 +167,8 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
                              f"calls (each loss divided by it) per step(), or set gradient_accumulation_steps to "
                              f"the number your loop runs")
         self._micro_since_step = 0
+        if self.schedule.adaptive:  # a user collective between steps finds no rank waiting on a peer
+            self.align_rounds(self._end_round)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The accumulation hooks have already freed every gradient: nothing is left to zero.

@@ -43,6 +43,7 @@ from ..comm.worker import CommWorker
 from ..comm.compression import round_codec
 from .host_memory import pin_mmap_threshold
 from .job import CommResult, KeptShard, RoundJob
+from .peers import RoundPeers
 from .state import heal_state, load_heal_state
 from ..outer.interface import OuterLoop, OuterLoopHost, Shards, build_outer_loop
 from .stats import RoundLog
@@ -74,6 +75,8 @@ class RoundDriver(OuterLoopHost):
         self.update = ShardUpdate(optimizer, masters, self.kernels, fused_adamw=fused_adamw)
         self.world_size, self.rank = tdist.get_world_size(group), tdist.get_rank(group)
         self.comm = CommWorker(tdist.get_process_group_ranks(group), device, acco.timeout_s, group=side)
+        # Adaptive accumulation: ranks end rounds on their own, so reads meet through the store (peers.py).
+        self.peers = RoundPeers(tdist.get_process_group_ranks(group), self.rank) if self.schedule.adaptive else None
         self.layout = layout
         if device.type == "cpu":
             pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.rounds.host_memory)
@@ -174,6 +177,9 @@ class RoundDriver(OuterLoopHost):
             self._submit(rnd, self._handed_next)
             result = self._collect()
         elif rnd.comm is not None:
+            if self.pending is None and self.peers is not None and not self.comm.done():
+                with self.peers.waiting(rnd.index):  # a peer at a read sees it and ends its round
+                    self.pending = self._collect()
             result = self.pending if self.pending is not None else self._collect()
             self.pending = None
         wait_s = time.perf_counter() - t0 + self._round_wait_s
@@ -250,12 +256,17 @@ class RoundDriver(OuterLoopHost):
         deadlock. Ranks a round behind close their round early with
         ``end_round()`` (the micro-batch counts travel with the gradients, so
         the mean stays exact). Returns the most micro-batches any rank holds
-        in its round. One all-reduce of index * 2^32 + micro-batches.
+        in its round. One all-reduce of index * 2^32 + micro-batches, after every rank has arrived
+        (``peers.RoundPeers.arrive``: a rank blocked on a job that only this rank can submit gets it first).
         """
+        if self.peers is not None:
+            self.peers.arrive(lambda: self.schedule.index, end_round, self.acco.timeout_s)
         key = torch.tensor([(self.schedule.index << 32) + self.local_micro], dtype=torch.int64,
                            device=self.compute_flats[0].device)
         tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=self.round_group)
         value = int(key.item())
+        if self.peers is not None:
+            self.peers.forget_read()
         if value >> 32 > self.schedule.index:  # at most one round behind: jobs pair ranks round by round
             end_round()
         return value & 0xFFFFFFFF
