@@ -44,6 +44,8 @@ p.add_argument("--steps", type=int, default=None, help="optimizer steps per trai
 p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 8, tiny: 2)")
 p.add_argument("--out", default="gpu_check.json")
 p.add_argument("--skip-pytest", action="store_true", help="do not run tests/test_kernels.py")
+p.add_argument("--skip-local-sgd", action="store_true", help="leave out the local-SGD section (with one GPU it "
+               "runs on CPU/gloo)")
 p.add_argument("--profile", action="store_true", help="profile micro-batches 2-8 after warm-up of every run")
 p.add_argument("--budget-s", type=float, default=450.0, help="the pytest section gets what is left of this")
 args = p.parse_args()
@@ -411,7 +413,10 @@ def local_sgd():
             "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
 
 
-section("local_sgd", local_sgd)
+if args.skip_local_sgd:
+    RESULT["sections"]["local_sgd"] = {"ok": True, "status": "skipped (--skip-local-sgd)", "a_edit_resume": {}}
+else:
+    section("local_sgd", local_sgd)
 
 # ------------------------------------------------------------------ c (end). tests/test_kernels.py
 
