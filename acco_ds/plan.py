@@ -208,9 +208,9 @@ def table(result: dict) -> str:
         if r["acco"].get("local_sgd", {}).get("fragments"):
             h = f"{h}/{r['acco']['local_sgd']['fragments']}"
         lines.append(f"{mark}{r['name']:<19}{h:>5}{r['step_s']:9.3g}{r['exposed_comm_s']:9.3g}"
-                     f"{100 * r['compute_utilization']:5.0f}%{r['inter_bytes_per_step'] / 1e6:10.4g}"
-                     f"{r['inter_bytes_per_sync'] / 1e6:10.4g}{r['peak_burst_bytes'] / 1e6:10.4g}"
-                     f"{r['memory_per_rank_bytes'] / 1e9:8.3g}{r['token_factor']:9.3g}"
+                     f"{100 * r['compute_utilization']:5.0f}% {r['inter_bytes_per_step'] / 1e6:9.4g}"
+                     f" {r['inter_bytes_per_sync'] / 1e6:9.4g} {r['peak_burst_bytes'] / 1e6:9.4g}"
+                     f" {r['memory_per_rank_bytes'] / 1e9:7.3g} {r['token_factor']:8.3g}"
                      f"{_duration(r['time_to_tokens_s']):>11}{r['time_to_tokens_s'] / stock:8.2f}x")
     rec = next(r for r in result["modes"] if r["name"] == result["recommended"])
     lines += ["", "H: local-SGD period (/F: Streaming DiLoCo fragments); MB: bytes a node sends across its link; "

@@ -151,3 +151,37 @@ def test_config_odd_accumulation_refuses_acco_rows(tmp_path, capsys):
     acco = next(m for m in plan["modes"] if m["name"] == "acco")
     assert "must be even" in acco["refused"]
     assert plan["recommended"] != "acco"
+
+
+def test_measure_on_two_cpu_ranks(tmp_path):
+    """`python -m acco_ds.plan --measure` on 2 gloo ranks as 2 nodes of 1: the plan uses what was timed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1"}
+    cmd = [sys.executable, "-m", "acco_ds.plan", "--measure", "--model", "plan_models:tiny", "--tokens-per-step",
+           "64", "--micro-batches", "2", "--json"]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
+    assert outs[1][0] == ""  # only rank 0 prints
+    plan = json.loads(outs[0][0])
+    m = plan["measured"]
+    assert (m["nodes"], m["ranks_per_node"], m["params"], m["dtype"]) == (2, 1, 32 * 64 + 64 + 64 * 8 + 8, "fp32")
+    assert plan["inputs"]["compute_s"] == m["compute_s"] > 0
+    assert plan["inputs"]["inter_bps"] == pytest.approx(m["inter_bps"]) and m["inter_bps"] > 1e6
+    sizes = [n for n, _ in m["inter_samples"]]
+    assert sizes == sorted(sizes) and len(sizes) >= 2
+    assert m["inter_samples"][-1][1] > m["inter_samples"][0][1]  # 4096x the bytes take longer
+    assert plan["recommended"] in {r["name"] for r in plan["modes"]}
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
