@@ -196,6 +196,7 @@ def main(argv) -> int:
     p.add_argument("--micro-batches", type=int, default=None, help="per rank per step (default: --config's "
                    "gradient_accumulation_steps, else 1)")
     p.add_argument("--max-s", type=float, default=1.0, help="stop growing the all-reduce size past this time")
+    p.add_argument("--out", default=None, help="also write the plan's JSON (with the measured figures) here")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     ours, rest = p.parse_known_args(argv)
     sys.path.insert(0, os.getcwd())
@@ -222,6 +223,9 @@ def main(argv) -> int:
         result["measured"] = figures
         print(json.dumps(result, indent=1) if "--json" in rest else P.table(result))
         sys.stdout.flush()
+        if ours.out:
+            with open(ours.out, "w") as f:
+                json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     return code
