@@ -185,3 +185,20 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_literature_figures_pinned():
+    """benchmarks/plan_literature.py: INTELLECT-1's 400x (the plan: 393.8x with fp32 block scales) and the
+    bandwidth x step-time products behind its 96% / 83% compute utilization (docs/plan.md)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_literature as lit
+    assert lit.intellect_reduction() == pytest.approx(400 / (1 + 4 / 256), rel=1e-9)
+    assert lit.intellect_bandwidth_step_product(0.96) == pytest.approx(36.21, abs=0.01)
+    assert lit.intellect_bandwidth_step_product(0.83) == pytest.approx(7.37, abs=0.01)
+    # the product is what the model needs: 1 Gbit/s with 36.2 s steps gives 96%
+    assert lit.intellect_utilization(1.0, 36.21) == pytest.approx(0.96, abs=1e-3)
+    proj = lit.projections()
+    assert proj[(7e9, 100)][0] in ("dpu", "acco", "sync", "zero1")
+    assert proj[(7e9, 1)][0] in ("diloco", "diloco int8", "streaming", "streaming int8", "co2", "co2 int8", "edit",
+                                 "edit int8", "a-edit", "a-edit int8", "sparseloco")
+    assert proj[(70e9, 100)][1]["zero1"][0] > proj[(1e9, 100)][1]["zero1"][0]  # the ring's latency weighs less
