@@ -259,8 +259,11 @@ def inputs_from(args) -> tuple:
     mfu = parse_count(args.mfu, "--mfu")
     if mfu > 1:
         raise PlanError(f"--mfu {args.mfu} must be a fraction in (0, 1], e.g. 0.4")
-    latency = float(args.inter_latency_ms) if re.fullmatch(r"[0-9.e+-]+", args.inter_latency_ms) else -1
-    if latency < 0:
+    try:
+        latency = float(args.inter_latency_ms)
+    except ValueError:
+        latency = -1.0
+    if not latency >= 0 or latency == float("inf"):
         raise PlanError(f"--inter-latency-ms {args.inter_latency_ms!r} must be a number of milliseconds >= 0")
     cfg = read_config(args.config, nodes * k) if args.config else None
     if args.compute_s is None and args.rank_flops is None:
