@@ -8,7 +8,7 @@ One row per candidate (stock ZeRO-1, sync, dpu, acco fixed and adaptive, diloco,
 A-EDiT, sparseloco; int8 where it applies; local SGD at the period the model finds best), sorted by the time
 to the tokens = steps × seconds per step × token factor; the recommended row's ``"acco"`` block is printed
 ready to paste. The model (``acco_ds.plan_model``) and its sources are in docs/plan.md. ``--measure`` (inside
-a launch of the job: ``acco_ds.plan_measure``) replaces the compute and link figures by measured ones.
+a launch of the job: ``acco_ds.plan_measure``, ``measure_main``) replaces compute and link figures by measured ones.
 """
 
 import argparse
@@ -285,7 +285,6 @@ def inputs_from(args) -> tuple:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--measure" in argv:
-        from .plan_measure import main as measure_main
         return measure_main(argv)
     p = parser()
     args = p.parse_args(argv)
@@ -296,6 +295,44 @@ def main(argv=None) -> int:
     result = plan(inp, gas, accum)
     print(json.dumps(result, indent=1) if args.json else table(result))
     return 0
+
+
+def _measured_inputs(argv, figures):
+    from .plan_measure import measured_flags
+    inp, gas, accum = inputs_from(parser().parse_args(list(argv) + measured_flags(figures, argv)))
+    inp.tensor_sizes, inp.micro_batches = figures.get("tensor_sizes"), figures["micro_batches"]
+    return inp, gas, accum
+
+
+def plan_measured(figures: dict, **flags) -> dict:
+    """The plan with ``acco_ds.plan_measure.measure``'s figures; ``flags``: other flags by name
+    (``tokens_per_step=4e6``, ``dtype="bf16"``, ``inter_bandwidth="10gbit"`` when one node)."""
+    argv = [a for k, v in flags.items() if v is not None
+            for a in (f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, (list, tuple)) else [v]))]
+    return plan(*_measured_inputs(argv, figures))
+
+
+def measure_main(argv) -> int:
+    """``--measure`` on every rank of a launch (``acco_ds.plan_measure``); rank 0 prints the plan."""
+    import torch.distributed as dist
+    from .plan_measure import launch
+    figures, rest, ours = launch(argv)
+    code = 0
+    try:  # on every rank, so that a bad flag stops all of them alike
+        inp, gas, accum = _measured_inputs(rest, figures)
+    except PlanError as err:
+        code = 2
+        if dist.get_rank() == 0:
+            print(f"acco-ds plan --measure: error: {err}", file=sys.stderr)
+    if code == 0 and dist.get_rank() == 0:
+        result = dict(plan(inp, gas, accum), measured=figures)
+        print(json.dumps(result, indent=1) if "--json" in rest else table(result), flush=True)
+        if ours.out:
+            with open(ours.out, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

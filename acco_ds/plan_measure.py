@@ -5,7 +5,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 -m acco_ds.plan --measure --model mypkg.train:make ...
 
 or from a script whose process group is up: ``measure(model, batch, micro_batches=8)`` then
-``plan_measured(figures, tokens_per_step=4e6)``. ``--model MODULE:FACTORY``: a callable returning
+``acco_ds.plan.plan_measured(figures, tokens_per_step=4e6)``. ``--model MODULE:FACTORY``: a callable returning
 ``(module, batch)``, ``batch`` a tuple of inputs or a callable returning one; the forward's output, or its
 first element, is the loss if it is a scalar, else its mean square is.
 
@@ -144,20 +144,8 @@ def measure(model: torch.nn.Module, batch, micro_batches: int = 1, ranks_per_nod
     return out
 
 
-def plan_measured(figures: dict, **flags) -> dict:
-    """The plan (``acco_ds.plan.plan``'s dict) with the measured figures; ``flags``: other ``acco-ds plan``
-    flags by name (``tokens_per_step=4e6``, ``dtype="bf16"``, ``inter_bandwidth="10gbit"`` when one node)."""
-    from . import plan as P
-    argv = []
-    for key, value in flags.items():
-        if value is None or value is False:
-            continue
-        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(v) for v in (
-            value if isinstance(value, (list, tuple)) else [value])])
-    return P.plan(*_inputs(P, argv, figures))
-
-
-def _inputs(P, argv, figures):
+def measured_flags(figures: dict, argv) -> list:
+    """The ``acco-ds plan`` flags that carry the measured figures (after the user's ``argv``: they win)."""
     measured = ["--compute-s", repr(figures["compute_s"]), "--nodes", str(figures["nodes"]),
                 "--ranks-per-node", str(figures["ranks_per_node"])]
     if "--dtype" not in argv and "--config" not in argv:
@@ -169,13 +157,9 @@ def _inputs(P, argv, figures):
                      "--inter-latency-ms", repr(1e3 * figures["inter_latency_s"])]
     if "intra_bps" in figures:
         measured += ["--intra-bandwidth", repr(figures["intra_bps"])]
-    if "--inter-bandwidth" not in argv + measured:
+    if "--inter-bandwidth" not in list(argv) + measured:
         measured += ["--inter-bandwidth", "1e12"]  # one node: no link between nodes to plan for
-    args = P.parser().parse_args(argv + measured)
-    inp, gas, accum = P.inputs_from(args)
-    inp.tensor_sizes = figures.get("tensor_sizes")
-    inp.micro_batches = figures["micro_batches"]
-    return inp, gas, accum
+    return measured
 
 
 def load_factory(spec: str) -> Callable:
@@ -185,11 +169,11 @@ def load_factory(spec: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def main(argv) -> int:
-    """``--measure`` on every rank of a launch; rank 0 prints the plan."""
+def launch(argv):
+    """``--measure``'s own flags parsed, the process group up (from the launcher's environment), the model
+    built and measured on every rank: (figures, the other flags, our flags)."""
     import argparse
     import json
-    from . import plan as P
     p = argparse.ArgumentParser(prog="acco-ds plan --measure", add_help=True)
     p.add_argument("--measure", action="store_true")
     p.add_argument("--model", required=True, help="MODULE:FACTORY returning (module, batch)")
@@ -210,22 +194,4 @@ def main(argv) -> int:
     if gas is None and "--config" in rest:
         with open(rest[rest.index("--config") + 1]) as f:
             gas = json.load(f).get("gradient_accumulation_steps", 1)
-    figures = measure(model, batch, gas or 1, max_s=ours.max_s)
-    code = 0
-    try:  # on every rank, so that a bad flag stops all of them alike
-        inp, gas_, accum = _inputs(P, rest, figures)
-    except P.PlanError as err:
-        if dist.get_rank() == 0:
-            print(f"acco-ds plan --measure: error: {err}", file=sys.stderr)
-        code = 2
-    if code == 0 and dist.get_rank() == 0:
-        result = P.plan(inp, gas_, accum)
-        result["measured"] = figures
-        print(json.dumps(result, indent=1) if "--json" in rest else P.table(result))
-        sys.stdout.flush()
-        if ours.out:
-            with open(ours.out, "w") as f:
-                json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return code
+    return measure(model, batch, gas or 1, max_s=ours.max_s), rest, ours
