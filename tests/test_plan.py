@@ -202,3 +202,17 @@ def test_literature_figures_pinned():
     assert proj[(7e9, 1)][0] in ("diloco", "diloco int8", "streaming", "streaming int8", "co2", "co2 int8", "edit",
                                  "edit int8", "a-edit", "a-edit int8", "sparseloco")
     assert proj[(70e9, 100)][1]["zero1"][0] > proj[(1e9, 100)][1]["zero1"][0]  # the ring's latency weighs less
+
+
+def test_plan_measured_api():
+    """The script API: measured figures (as ``plan_measure.measure`` returns them) into the plan."""
+    figures = {"nodes": 2, "ranks_per_node": 4, "micro_batches": 2, "params": 10_000_000, "dtype": "fp32",
+               "tensor_sizes": [6_000_000, 4_000_000], "compute_s": 0.5, "inter_bps": 1e9, "inter_latency_s": 0.01,
+               "intra_bps": 1e11, "intra_latency_s": 1e-5}
+    plan = P.plan_measured(figures, tokens_per_step=1e6)
+    inp = plan["inputs"]
+    assert (inp["compute_s"], inp["inter_bps"], inp["world"], inp["dtype"], inp["micro_batches"]) == \
+        (0.5, 1e9, 8, "fp32", 2)
+    sparse = next(m for m in plan["modes"] if m["name"] == "sparseloco")
+    per_sync = (1464 + 1 + 976 + 1) * (4 + 144)  # 6M = 1464 x 4096 + 3456, 4M = 976 x 4096 + 2304; R-1 = 1
+    assert sparse["inter_bytes_per_sync"] == per_sync
