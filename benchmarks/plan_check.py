@@ -100,16 +100,20 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--run_timeout", type=float, default=400)
     p.add_argument("--out", default=str(RESULTS / "plan_check.json"))
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only combine the links of earlier results (a later file's link replaces the same link)")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     sys.path.insert(0, str(HERE))
     import harness
     from cluster_runs import Bench
+    harness.interrupt_on_signals()  # a timeout's SIGTERM still kills the ranks and removes the namespaces
     bench_args = argparse.Namespace(command="plan_check", run_timeout=args.run_timeout, layout="twonode",
                                     steps=args.steps, warmup=args.warmup)
     spec = {"steps": args.steps, "warmup": args.warmup, "eval_interval": 1000000, "eval_batches": 2}
     record = {"machine": harness.cpu_name(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "steps": args.steps, "warmup": args.warmup, "links": []}
-    t_start = time.time()
     with Bench(bench_args) as bench:
         for bw in args.bandwidths:
             net = bench.network(bw)
@@ -136,14 +140,34 @@ def main():
             record["links"].append(link)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=1))  # kept link by link
-    errors = [abs(r["error"]) for link in record["links"] for r in link["rows"].values()]
-    agree = [link.get("recommended") == link.get("measured_fastest") for link in record["links"] if "recommended" in link]
-    record.update(median_abs_error=statistics.median(errors), max_abs_error=max(errors),
-                  recommended_is_fastest=f"{sum(agree)} of {len(agree)}", wall_s=time.time() - t_start)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    summarize(record)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(table(record))
     plot(record, Path(args.out).with_suffix(".png"))
+
+
+def merge(paths, out):
+    records = [json.loads(Path(f).read_text()) for f in paths]
+    links = {}
+    for rec in records:
+        for link in rec["links"]:
+            links[link["bandwidth"]] = dict(link, command=rec["command"], date=rec["date"])
+    order = ["unlimited", "200mbit", "50mbit", "10mbit"]
+    record = dict(records[0], command="merged: " + " + ".join(r["command"] for r in records),
+                  links=sorted(links.values(), key=lambda l: order.index(l["bandwidth"])
+                               if l["bandwidth"] in order else 99))
+    summarize(record)
+    Path(out).write_text(json.dumps(record, indent=1))
+    print(table(record))
+    plot(record, Path(out).with_suffix(".png"))
+
+
+def summarize(record):
+    """Median and largest |error|, and on how many links the recommended mode is the measured fastest."""
+    errors = [abs(r["error"]) for link in record["links"] for r in link["rows"].values()]
+    agree = [link.get("recommended") == link.get("measured_fastest") for link in record["links"] if "recommended" in link]
+    record.update(median_abs_error=statistics.median(errors), max_abs_error=max(errors),
+                  recommended_is_fastest=f"{sum(agree)} of {len(agree)}")
 
 
 def table(record) -> str:
