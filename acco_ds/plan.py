@@ -196,7 +196,8 @@ def table(result: dict) -> str:
     """The plan as text: one line per row, then the recommended block."""
     inp = result["inputs"]
     stock = next(r for r in result["modes"] if r["name"] == "zero1")["time_to_tokens_s"]
-    lines = [f"acco-ds plan: {inp['params'] / 1e9:.3g}B params, {inp['nodes']} node(s) x {inp['ranks_per_node']} ranks, "
+    lines = [f"acco-ds plan: {inp['params'] / 1e9:.3g}B params, {inp['nodes']} node(s) x {inp['ranks_per_node']} "
+             f"ranks, "
              f"{inp['tokens_per_step']:.4g} tokens/step, {inp['total_tokens']:.4g} tokens, {inp['dtype']}, inter "
              f"{inp['inter_bps'] / 1e9:g} Gbit/s + {inp['inter_latency_s'] * 1e3:g} ms, intra "
              f"{inp['intra_bps'] / 1e9:g} Gbit/s, compute {inp['compute_s']:.4g} s/step",

@@ -165,7 +165,8 @@ def merge(paths, out):
 def summarize(record):
     """Median and largest |error|, and on how many links the recommended mode is the measured fastest."""
     errors = [abs(r["error"]) for link in record["links"] for r in link["rows"].values()]
-    agree = [link.get("recommended") == link.get("measured_fastest") for link in record["links"] if "recommended" in link]
+    agree = [link.get("recommended") == link.get("measured_fastest")
+             for link in record["links"] if "recommended" in link]
     record.update(median_abs_error=statistics.median(errors), max_abs_error=max(errors),
                   recommended_is_fastest=f"{sum(agree)} of {len(agree)}")
 
