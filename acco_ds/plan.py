@@ -184,7 +184,10 @@ def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = Tru
     usable = [(m, f) for (m, f), row in zip(rows, out) if row["refused"] is None]
     inputs = {k: v for k, v in vars(inp).items() if k != "tensor_sizes"}
     inputs.update(world=inp.world, compute_s=pm.compute_seconds(inp), total_tokens=inp.total_tokens)
-    return {"inputs": inputs, "recommended": pm.recommend(usable), "modes": out}
+    notes = [] if inp.zero_stage == 1 else [
+        f'your config has ZeRO stage {inp.zero_stage}: acco_ds runs on stage 1 (set "zero_optimization": '
+        f'{{"stage": 1}} with an enabled "acco" block), and the zero1 row models stage 1']
+    return {"inputs": inputs, "recommended": pm.recommend(usable), "modes": out, "notes": notes}
 
 
 def _knows_sparseloco() -> bool:
@@ -221,6 +224,7 @@ def table(result: dict) -> str:
     lines += ["", f"recommended: {rec['name']} ({_duration(rec['time_to_tokens_s'])}, "
               f"{rec['time_to_tokens_s'] / stock:.2f}x stock ZeRO-1's time). Paste into the DeepSpeed config:",
               json.dumps({"acco": rec["acco"]})]
+    lines += [f"note: {n}" for n in result.get("notes", [])]
     if not rec["validated"]:
         lines.append("(this block needs a newer acco_ds: its mode is not in this version's config model)")
     return "\n".join(lines)
@@ -279,7 +283,8 @@ def inputs_from(args) -> tuple:
                     rank_flops=parse_count(args.rank_flops, "--rank-flops", suffix="flops") if args.rank_flops else 0.0,
                     compute_s=parse_count(args.compute_s, "--compute-s") if args.compute_s else None,
                     tokens=parse_count(args.tokens, "--tokens") if args.tokens else None,
-                    micro_batches=cfg["gas"] if cfg else 1, token_factors=parse_factors(args.token_factor))
+                    micro_batches=cfg["gas"] if cfg else 1, token_factors=parse_factors(args.token_factor),
+                    zero_stage=cfg["zero_stage"] if cfg else 1)
     return inp, (cfg["gas"] if cfg else 2), (cfg["grad_accum_dtype"] if cfg else None)
 
 

@@ -69,6 +69,7 @@ class Inputs:
     block_size: int = 256
     tensor_sizes: Optional[List[int]] = None  # parameter tensors (SparseLoCo chunks); default one of N
     token_factors: dict = field(default_factory=dict)  # overrides: family -> factor (at H = 8 for local SGD)
+    zero_stage: int = 1  # the user's config's (acco_ds runs on stage 1; the stock row models stage 1)
 
     @property
     def world(self) -> int:

@@ -32,7 +32,7 @@ def test_cli_json_schema_and_stdout_only_json():
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    assert set(plan) == {"inputs", "recommended", "modes"}
+    assert set(plan) == {"inputs", "recommended", "modes", "notes"} and plan["notes"] == []
     assert plan["inputs"]["inter_bps"] == 10e9 and plan["inputs"]["world"] == 16
     keys = {"name", "mode", "acco", "sync_every", "compute_s", "step_s", "exposed_comm_s", "compute_utilization",
             "inter_bytes_per_step", "inter_bytes_per_sync", "memory_per_rank_bytes", "token_factor",
@@ -145,12 +145,14 @@ def test_config_odd_accumulation_refuses_acco_rows(tmp_path, capsys):
     recommended; the config's dtype is used."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
-                                "fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}))
+                                "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
     plan = run_json(capsys, "--inter-bandwidth", "400gbit", "--config", str(path))
     assert plan["inputs"]["dtype"] == "fp16" and plan["inputs"]["micro_batches"] == 3
     acco = next(m for m in plan["modes"] if m["name"] == "acco")
     assert "must be even" in acco["refused"]
     assert plan["recommended"] != "acco"
+    assert plan["notes"] == ['your config has ZeRO stage 2: acco_ds runs on stage 1 (set "zero_optimization": '
+                             '{"stage": 1} with an enabled "acco" block), and the zero1 row models stage 1']
 
 
 def test_measure_on_two_cpu_ranks(tmp_path):
