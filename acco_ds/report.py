@@ -139,12 +139,17 @@ def main(argv=None):
     if args and args[0] == "memory":
         from .memory import main as memory
         return memory(args[1:])
+    if args and args[0] == "plan":
+        from .plan import main as plan
+        return plan(args[1:])
     if args and args[0] == "report":
         args = args[1:]
     if len(args) == 2 and args[0] == "--config":
         return config_report(args[1])
     if args:
-        print("usage: acco-ds report [--config ds_config.json]  |  acco-ds memory --params 7e9 --gpus 8 --dtype bf16")
+        print("usage: acco-ds report [--config ds_config.json]  |  acco-ds memory --params 7e9 --gpus 8 --dtype bf16  |  "
+              "acco-ds plan --params 7e9 --tokens-per-step 4m --nodes 2 --ranks-per-node 8 --rank-flops 989e12 "
+              "--inter-bandwidth 10gbit")
         return 2
     import torch
 

@@ -1,0 +1,296 @@
+"""The time model behind ``acco-ds plan``: seconds, bytes and token factors of each mode at a given scale.
+
+No torch, no DeepSpeed: plain arithmetic on the inputs, so that the literature check and the tests run in
+milliseconds. ``docs/plan.md`` writes every formula out with its source; in short, for R nodes of k ranks
+(W = R·k), N parameters, b bytes per communicated element, a node's link of B bytes/s and latency L:
+
+- compute per step C = 6·N·T / (W·F·mfu) (T tokens per step), unless measured;
+- node-aware reduce-scatter or all-gather (acco_ds's collectives): a node sends (R−1)/R·N·b across its link,
+  (R−1) latency hops, after an intra-node step of (k−1)/k·N·b on the intra link;
+- stock ZeRO-1: a flat ring all-reduce of the gradients and all-gather of the parameters over all W ranks:
+  3·(W−1)/W·N·b across each node's link (measured on the two-node testbed: 9N bytes of fp32 at W = 4, R = 2);
+- compressed (int8/fp8): 1 + 4/block bytes per element instead of b (one fp32 scale per block);
+- the overlap rule of each mode (``step_seconds``) and its token factor (``token_factor``).
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+EXACT = ("zero1", "sync")  # uncompressed, the same update as stock ZeRO-1: they win ties within 5%
+TIE = 0.05
+REFERENCE_H = 8  # the period at which the local-SGD token factors were measured
+SPARSE_DEFAULTS = {"chunk": 4096, "topk": 64, "value_bits": 2}
+
+# Tokens to a target loss relative to stock ZeRO-1, measured on the two-node testbed (0.84M GPT, 2 nodes of 2
+# ranks, target 1.01 x stock's final loss): BENCHMARKS.md "Two nodes: time to a target loss (issue 25)" and
+# "... with compression and Streaming DiLoCo (issues 26, 27)"; stock needed 245,760 tokens in both.
+TOKEN_FACTORS = {
+    "zero1": (1.0, "definition (stock ZeRO-1 is the reference)"),
+    "sync": (1.0, "exact: the same update as stock ZeRO-1 (tests check agreement with the simulator)"),
+    "dpu": (278528 / 245760, "assumed = acco's (one-step-stale update, not raced)"),
+    "acco": (278528 / 245760, "measured: race, acco fixed 278,528 / 245,760 tokens"),
+    "acco int8": (278528 / 245760, "measured: race, acco fixed int8 278,528 / 245,760 tokens"),
+    "acco adaptive": (278528 / 245760, "acco's x the micro-batch multiplier (race: 3.4-5.8x acco's tokens)"),
+    "diloco": (524288 / 245760, "measured at H=8: race, 524,288 / 245,760 tokens"),
+    "diloco int8": (655360 / 245760, "measured at H=8: race, diloco H=8 int8 655,360 / 245,760 tokens"),
+    "streaming": (376832 / 245760, "measured at H=8, F=4, tau=1 and F=2, tau=2: 376,832 / 245,760 tokens"),
+    "co2": (1015808 / 245760, "measured at H=8: race, 1,015,808 / 245,760 tokens"),
+    "co2 int8": (917504 / 245760, "measured at H=8: race, co2 H=8 int8 917,504 / 245,760 tokens"),
+    "edit": (458752 / 245760, "measured at H=8: race, 458,752 / 245,760 tokens"),
+    "edit int8": (524288 / 245760, "measured at H=8: race, edit H=8 int8 524,288 / 245,760 tokens"),
+    "a-edit": ((405504 + 499712) / 2 / 245760, "measured: race, A-EDiT T=5 s, mean of 200 and 50 Mbit"),
+    "sparseloco": (524288 / 245760, "assumed = diloco's measured factor until measured"),
+}
+# int8 factors not raced: the measured ratio of the nearest raced pair (round modes: acco fixed int8 / acco
+# fixed = 1.00; local SGD: diloco H=8 int8 / diloco H=8 = 1.25).
+INT8_PENALTY = {"round": (1.0, "x 1.00 = acco int8 / acco measured (not raced compressed)"),
+                "local": (655360 / 524288, "x 1.25 = diloco H=8 int8 / diloco H=8 measured (not raced compressed)")}
+
+
+@dataclass
+class Inputs:
+    """What the model needs; bandwidths in bits per second, as the flags give them."""
+    params: int
+    tokens_per_step: float
+    nodes: int
+    ranks_per_node: int
+    rank_flops: float = 0.0
+    mfu: float = 0.4
+    inter_bps: float = 10e9
+    inter_latency_s: float = 0.03
+    intra_bps: float = 400e9
+    intra_latency_s: float = 1e-5
+    dtype: str = "bf16"
+    compute_s: Optional[float] = None  # measured seconds of compute per step (replaces 6NT/(WF mfu))
+    tokens: Optional[float] = None  # tokens to train (default 20 N)
+    micro_batches: int = 1  # per rank per step (gradient_accumulation_steps)
+    block_size: int = 256
+    tensor_sizes: Optional[List[int]] = None  # parameter tensors (SparseLoCo chunks); default one of N
+    token_factors: dict = field(default_factory=dict)  # overrides: family -> factor (at H = 8 for local SGD)
+    zero_stage: int = 1  # the user's config's (acco_ds runs on stage 1; the stock row models stage 1)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def total_tokens(self) -> float:
+        return self.tokens if self.tokens else 20.0 * self.params
+
+
+@dataclass
+class Mode:
+    """One candidate: ``mode`` is the ``acco.mode`` (``zero1`` for stock), ``compression`` int8/fp8/None."""
+    name: str
+    mode: str
+    accumulation: str = "fixed"
+    compression: Optional[str] = None
+    sync_every: Optional[int] = None
+    fragments: int = 1
+    delay: int = 0
+    timed: bool = False  # A-EDiT: sync_time_s instead of sync_every
+    sparse: dict = field(default_factory=lambda: dict(SPARSE_DEFAULTS))
+
+    @property
+    def family(self) -> str:
+        base = "a-edit" if self.timed else "streaming" if self.fragments > 1 else self.mode
+        if self.accumulation == "adaptive":
+            base = "acco adaptive"
+        return base + (" int8" if self.compression else "")
+
+
+def compute_seconds(inp: Inputs) -> float:
+    """6·N·T / (W·F·mfu): forward and backward of N parameters on T tokens, spread over W ranks."""
+    if inp.compute_s is not None:
+        return inp.compute_s
+    return 6.0 * inp.params * inp.tokens_per_step / (inp.world * inp.rank_flops * inp.mfu)
+
+
+def element_bytes(inp: Inputs, compressed: bool) -> float:
+    return 1.0 + 4.0 / inp.block_size if compressed else DTYPE_BYTES[inp.dtype]
+
+
+def node_aware(inp: Inputs, numel: float, compressed: bool, inter_b: Optional[float] = None):
+    """(seconds, bytes a node sends across its link) of one node-aware reduce-scatter or all-gather of
+    ``numel`` elements: intra-node step at full precision, then the rails across nodes."""
+    r, k = inp.nodes, inp.ranks_per_node
+    b = element_bytes(inp, compressed) if inter_b is None else inter_b
+    cut = (r - 1) / r * numel * b
+    t = 0.0
+    if k > 1:
+        t += (k - 1) / k * numel * DTYPE_BYTES[inp.dtype] / (inp.intra_bps / 8) + (k - 1) * inp.intra_latency_s
+    if r > 1:
+        t += cut / (inp.inter_bps / 8) + (r - 1) * inp.inter_latency_s
+    return t, cut
+
+
+def stock_comm(inp: Inputs):
+    """Stock ZeRO-1: flat ring all-reduce (2(W−1)/W) and all-gather ((W−1)/W) over all W ranks; the slowest
+    edge is a node's link, and every ring step waits one latency of it."""
+    w, n, b = inp.world, inp.params, DTYPE_BYTES[inp.dtype]
+    cut = 3 * (w - 1) / w * n * b if inp.nodes > 1 else 0.0
+    bw, lat = (inp.inter_bps, inp.inter_latency_s) if inp.nodes > 1 else (inp.intra_bps, inp.intra_latency_s)
+    if w == 1:
+        return 0.0, 0.0
+    return (3 * (w - 1) / w * n * b) / (bw / 8) + 3 * (w - 1) * lat, cut
+
+
+def outer_allreduce(inp: Inputs, numel: float, compressed: bool):
+    """(seconds, bytes across a node's link) of the local-SGD outer all-reduce of ``numel`` elements between
+    the R replicas, one rail per rank (each rank all-reduces its 1/k shard): a reduce-scatter and an all-gather
+    over R, fp32 (the pseudo-gradient is computed from fp32 shards) unless compressed."""
+    r = inp.nodes
+    b = 1.0 + 4.0 / inp.block_size if compressed else 4.0
+    cut = 2 * (r - 1) / r * numel * b
+    return cut / (inp.inter_bps / 8) + 2 * (r - 1) * inp.inter_latency_s, cut
+
+
+def sparse_payload(inp: Inputs, sparse: dict) -> int:
+    """Bytes of one replica's SparseLoCo payload: per chunk of ``chunk`` elements of each tensor, an fp32 scale
+    and min(topk, chunk length) entries of value_bits + 16 index bits, byte-aligned per chunk."""
+    chunk, topk, bits = sparse["chunk"], sparse["topk"], sparse["value_bits"] + 16
+    total = 0
+    for size in inp.tensor_sizes or [inp.params]:
+        full, rest = divmod(int(size), chunk)
+        total += full * (4 + math.ceil(min(topk, chunk) * bits / 8))
+        if rest:
+            total += 4 + math.ceil(min(topk, rest) * bits / 8)
+    return total
+
+
+def sparse_allgather(inp: Inputs, sparse: dict):
+    """A ring all-gather of the replicas' payloads: each node sends (R−1) payloads across its link."""
+    r = inp.nodes
+    cut = (r - 1) * sparse_payload(inp, sparse)
+    return cut / (inp.inter_bps / 8) + (r - 1) * inp.inter_latency_s, cut
+
+
+def token_factor(inp: Inputs, m: Mode, multiplier: float = 1.0):
+    """(factor, source) of ``m``: the override or the measured default; local-SGD modes scale with the period
+    as 1 + (f₈ − 1)·log₂(H)/3 (exact at H = 1, the measured f₈ at H = 8: an assumption, docs/plan.md)."""
+    fam = m.family
+    if fam in inp.token_factors:
+        f, src = inp.token_factors[fam], "given (--token-factor)"
+    elif fam in TOKEN_FACTORS:
+        f, src = TOKEN_FACTORS[fam]
+    else:
+        f0, src0 = TOKEN_FACTORS[fam.replace(" int8", "")]
+        pen, why = INT8_PENALTY["local" if m.sync_every else "round"]
+        f, src = f0 * pen, src0 + "; " + why
+    if m.sync_every is not None and m.sync_every != REFERENCE_H:
+        f = 1.0 + (f - 1.0) * math.log2(m.sync_every) / math.log2(REFERENCE_H)
+        src += f"; scaled to H={m.sync_every} by log2(H)/3"
+    if multiplier != 1.0:
+        f *= multiplier
+        src += f"; x {multiplier:.2f} micro-batches"
+    return f, src
+
+
+def evaluate(inp: Inputs, m: Mode) -> dict:
+    """Seconds per step (compute, exposed communication), bytes across a node's link and the token factor of
+    one candidate."""
+    c = compute_seconds(inp)
+    n = inp.params
+    comp = m.compression is not None
+    multiplier, per_sync, peak = 1.0, None, None
+    if m.mode == "zero1":
+        comm, cut = stock_comm(inp)
+        step = c + comm
+    elif m.mode in ("sync", "dpu", "acco"):
+        rs, cut_rs = node_aware(inp, n, comp)
+        ag, cut_ag = node_aware(inp, n, comp)
+        rnd, cut = rs + ag, cut_rs + cut_ag
+        if m.mode == "sync":
+            step = c + rnd  # nothing overlaps
+        elif m.mode == "dpu":
+            step = max(c, rnd)  # the round of step t runs beside the compute of step t+1
+        else:
+            cut *= 2  # two rounds per step, each behind half the micro-batches
+            step = max(c, 2 * rnd)
+            if m.accumulation == "adaptive":  # more micro-batches per round until compute covers the round,
+                multiplier = min(4.0, max(1.0, 2 * rnd / c))  # up to max_micro_batches_per_round (4x)
+                step = max(c * multiplier, 2 * rnd) / multiplier  # time per T tokens
+        peak = cut
+    else:
+        h = m.sync_every
+        k = inp.ranks_per_node
+        inner = 0.0
+        if k > 1:  # ZeRO-1 inside the replica group: a reduce-scatter and an all-gather on the intra link
+            inner = 2 * ((k - 1) / k * n * DTYPE_BYTES[inp.dtype] / (inp.intra_bps / 8) + (k - 1) * inp.intra_latency_s)
+        s_in = c + inner
+        if m.mode == "sparseloco":
+            t_sync, per_sync = sparse_allgather(inp, m.sparse)
+            exposed_sync = t_sync  # blocking, like diloco
+        else:
+            t_sync, per_sync = outer_allreduce(inp, n, comp)
+            if m.fragments > 1 or m.delay:  # Streaming DiLoCo: one fragment per window, hidden behind τ steps
+                t_frag = t_sync / m.fragments + (1 - 1 / m.fragments) * 2 * (inp.nodes - 1) * inp.inter_latency_s
+                exposed_sync = m.fragments * max(0.0, t_frag - m.delay * s_in)
+                peak = per_sync / m.fragments
+            elif m.mode == "co2":  # the all-reduce runs during the whole next period
+                exposed_sync = max(0.0, t_sync - h * s_in)
+            elif m.mode == "edit":  # layer-wise: hidden behind the first forward pass of the next step
+                exposed_sync = max(0.0, t_sync - c / (3 * inp.micro_batches))
+            else:
+                exposed_sync = t_sync
+        peak = per_sync if peak is None else peak
+        step = s_in + exposed_sync / h
+        cut = per_sync / h
+    f, src = token_factor(inp, m, multiplier)
+    steps = inp.total_tokens / inp.tokens_per_step
+    return {"compute_s": c, "step_s": step, "exposed_comm_s": max(0.0, step - c), "compute_utilization": c / step,
+            "inter_bytes_per_step": cut, "inter_bytes_per_sync": per_sync if per_sync is not None else cut,
+            "peak_burst_bytes": peak if peak is not None else cut, "token_factor": f, "token_factor_source": src,
+            "time_to_tokens_s": step * f * steps, "micro_batch_multiplier": multiplier}
+
+
+PERIODS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def candidates(inp: Inputs, sparse: bool = True) -> List[Mode]:
+    """Every mode of the plan, local SGD at every period of ``PERIODS`` (``best`` keeps the best period)."""
+    out = [Mode("zero1", "zero1")]
+    for comp in (None, "int8"):
+        tag = f" {comp}" if comp else ""
+        out += [Mode("sync" + tag, "sync", compression=comp), Mode("dpu" + tag, "dpu", compression=comp),
+                Mode("acco" + tag, "acco", compression=comp),
+                Mode("acco adaptive" + tag, "acco", "adaptive", compression=comp)]
+    if inp.nodes < 2:  # one node: nothing crosses a slow link, and local SGD needs two replicas
+        return out
+    for h in PERIODS:
+        for comp in (None, "int8"):
+            tag = f" {comp}" if comp else ""
+            out += [Mode(f"diloco{tag}", "diloco", compression=comp, sync_every=h),
+                    Mode(f"co2{tag}", "co2", compression=comp, sync_every=h),
+                    Mode(f"edit{tag}", "edit", compression=comp, sync_every=h),
+                    Mode(f"a-edit{tag}", "edit", compression=comp, sync_every=h, timed=True)]
+            for f in (2, 4, 8):
+                for tau in (1, 2):
+                    if h % f == 0 and tau < h // f:
+                        out.append(Mode(f"streaming{tag}", "diloco", compression=comp, sync_every=h, fragments=f,
+                                        delay=tau))
+        if sparse:
+            out.append(Mode("sparseloco", "sparseloco", sync_every=h))
+    return out
+
+
+def best(inp: Inputs, modes: List[Mode]) -> List[tuple]:
+    """(mode, figures) per row name, the period (and fragments, delay) with the least time to the tokens;
+    ties within 1% go to the shorter period, then the fewer fragments."""
+    rows = {}
+    for m in modes:
+        fig = evaluate(inp, m)
+        old = rows.get(m.name)
+        if old is None or fig["time_to_tokens_s"] < old[1]["time_to_tokens_s"] * 0.99:
+            rows[m.name] = (m, fig)
+    return sorted(rows.values(), key=lambda mf: mf[1]["time_to_tokens_s"])
+
+
+def recommend(rows: List[tuple]) -> str:
+    """The least time to the tokens; an exact round mode (stock ZeRO-1, sync) wins if within 5% of it."""
+    fastest = rows[0][1]["time_to_tokens_s"]
+    exact = [m.name for m, f in rows if m.mode in EXACT and m.compression is None
+             and f["time_to_tokens_s"] <= fastest * (1 + TIE)]
+    return exact[0] if exact else rows[0][0].name

@@ -1,0 +1,220 @@
+"""``acco-ds plan``: the CLI end to end, the direction of the recommendation with bandwidth, the byte formulas
+against the bytes measured on the two-node testbed (BENCHMARKS.md), the refusals of bad input by name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from acco_ds import plan as P
+from acco_ds import plan_model as pm
+
+ROOT = Path(__file__).resolve().parents[1]
+SEVEN_B = ["--params", "7e9", "--tokens-per-step", "4m", "--nodes", "2", "--ranks-per-node", "8",
+           "--rank-flops", "989e12"]
+LOCAL = ("diloco", "co2", "edit", "sparseloco")
+N_TESTBED = 842_496  # the 0.84M GPT of benchmarks/train_worker.py
+
+
+def run_json(capsys, *flags):
+    assert P.main([*SEVEN_B, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_schema_and_stdout_only_json():
+    """`acco-ds plan ... --json` through the console entry point's function: stdout parses as the schema."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", "import sys; from acco_ds.report import main; sys.exit(main())",
+                          "plan", *SEVEN_B, "--inter-bandwidth", "10gbit", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert set(plan) == {"inputs", "recommended", "modes", "notes"} and plan["notes"] == []
+    assert plan["inputs"]["inter_bps"] == 10e9 and plan["inputs"]["world"] == 16
+    keys = {"name", "mode", "acco", "sync_every", "compute_s", "step_s", "exposed_comm_s", "compute_utilization",
+            "inter_bytes_per_step", "inter_bytes_per_sync", "memory_per_rank_bytes", "token_factor",
+            "time_to_tokens_s"}
+    names = {m["name"] for m in plan["modes"]}
+    assert {"zero1", "sync", "dpu", "acco", "acco adaptive", "acco int8", "diloco", "diloco int8", "streaming",
+            "co2", "edit", "a-edit", "sparseloco"} <= names
+    for m in plan["modes"]:
+        assert keys <= set(m), m["name"]
+        assert m["step_s"] >= m["compute_s"] > 0 and 0 < m["compute_utilization"] <= 1
+        assert m["refused"] is None, (m["name"], m["refused"])  # every block is one acco_ds accepts
+    times = [m["time_to_tokens_s"] for m in plan["modes"]]
+    assert times == sorted(times)
+    assert plan["recommended"] in names
+    # compute = 6 N T / (R k F mfu)
+    assert plan["modes"][0]["compute_s"] == pytest.approx(6 * 7e9 * 4e6 / (16 * 989e12 * 0.4))
+
+
+def test_table_and_recommendation_direction(capsys):
+    """A fast link: an exact round mode (stock or sync); a slow one: a local-SGD mode, with a pasteable block."""
+    assert P.main([*SEVEN_B, "--inter-bandwidth", "400gbit"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: sync" in text or "recommended: zero1" in text
+    assert '{"acco": {"enabled": true, "mode": "sync"}}' in text or '{"acco": {"enabled": false}}' in text
+    slow = run_json(capsys, "--inter-bandwidth", "100mbit")
+    rec = next(m for m in slow["modes"] if m["name"] == slow["recommended"])
+    assert rec["mode"] in LOCAL
+    assert next(m for m in slow["modes"] if m["name"] == "diloco")["sync_every"] >= 64
+    stock = next(m for m in slow["modes"] if m["name"] == "zero1")
+    assert stock["compute_utilization"] < 0.05 < rec["compute_utilization"]
+    # the slower the link, the longer the best period of diloco
+    periods = [next(m for m in run_json(capsys, "--inter-bandwidth", bw)["modes"] if m["name"] == "diloco")
+               ["sync_every"] for bw in ("100gbit", "1gbit", "100mbit")]
+    assert periods == sorted(periods) and periods[0] < periods[-1]
+
+
+def test_byte_formulas_against_the_testbed():
+    """Bytes per inner step across the cut, fp32, 2 nodes of 2 ranks, against each node's veth counter
+    (BENCHMARKS.md, two-node tables: stock 7.605, sync node-aware 3.387, acco node-aware 6.985, diloco H=8
+    0.423, diloco H=8 int8 0.108, Streaming F=4 peak 0.987 MB)."""
+    inp = pm.Inputs(params=N_TESTBED, tokens_per_step=4096, nodes=2, ranks_per_node=2, dtype="fp32",
+                    compute_s=0.3, inter_bps=50e6)
+    mb = {name: pm.evaluate(inp, m)["inter_bytes_per_step"] / 1e6 for name, m in {
+        "zero1": pm.Mode("zero1", "zero1"), "sync": pm.Mode("sync", "sync"), "acco": pm.Mode("acco", "acco"),
+        "diloco": pm.Mode("diloco", "diloco", sync_every=8),
+        "diloco int8": pm.Mode("diloco int8", "diloco", compression="int8", sync_every=8)}.items()}
+    assert mb["zero1"] == pytest.approx(9 * N_TESTBED / 1e6)  # 3 (W-1)/W x 4 bytes, W = 4
+    measured = {"zero1": 7.605, "sync": 3.387, "acco": 6.985, "diloco": 0.423, "diloco int8": 0.108}
+    for name, value in measured.items():  # the counters include TCP/IP headers: 0-4% above the formula
+        assert 1.0 <= value / mb[name] <= 1.05, (name, value, mb[name])
+    peak = pm.evaluate(inp, pm.Mode("s", "diloco", sync_every=8, fragments=4, delay=1))["peak_burst_bytes"]
+    assert peak == pytest.approx(4 * N_TESTBED / 4)  # one fragment's all-reduce: 4N/F bytes between 2 nodes
+
+
+def test_sparseloco_payload():
+    """Per chunk: a 4-byte scale + min(topk, len) x (2 + 16) bits, byte-aligned per chunk; (R-1) payloads."""
+    inp = pm.Inputs(params=4096 * 10 + 100 + 10, tokens_per_step=1, nodes=4, ranks_per_node=1,
+                    tensor_sizes=[4096 * 10 + 100, 10])
+    sparse = dict(pm.SPARSE_DEFAULTS)
+    assert pm.sparse_payload(inp, sparse) == 10 * (4 + 144) + (4 + 144) + (4 + 23)
+    assert pm.sparse_allgather(inp, sparse)[1] == 3 * pm.sparse_payload(inp, sparse)
+    sparse.update(topk=32, value_bits=4)
+    assert pm.sparse_payload(inp, sparse) == 11 * (4 + 80) + (4 + 25)
+
+
+def test_token_factor_override_and_period_law(capsys):
+    m = pm.Mode("diloco", "diloco", sync_every=64)
+    inp = pm.Inputs(params=1, tokens_per_step=1, nodes=2, ranks_per_node=1, token_factors={"diloco": 1.1})
+    f, src = pm.token_factor(inp, m)
+    assert f == pytest.approx(1 + 0.1 * 6 / 3) and "given" in src
+    assert pm.token_factor(inp, pm.Mode("diloco", "diloco", sync_every=1))[0] == 1.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--inter-bandwidth", "10gb"], "unknown unit 'gb'"),
+    (["--inter-bandwidth", "0gbit"], "must be positive"),
+    (["--inter-bandwidth", "10gbit", "--intra-bandwidth", "fast"], "is not a bandwidth"),
+    (["--inter-bandwidth", "10gbit", "--params", "0"], "--params must be positive"),
+    (["--inter-bandwidth", "10gbit", "--nodes", "-2"], "--nodes must be positive"),
+    (["--inter-bandwidth", "10gbit", "--ranks-per-node", "1.5"], "--ranks-per-node must be a whole number"),
+    (["--inter-bandwidth", "10gbit", "--mfu", "40"], "--mfu 40 must be a fraction"),
+    (["--inter-bandwidth", "10gbit", "--token-factor", "dilco=1.1"], "unknown mode 'dilco'"),
+])
+def test_bad_input_refused_by_name(capsys, flags, message):
+    with pytest.raises(SystemExit) as err:
+        P.main([*SEVEN_B, *flags])
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "train_batch_size 100 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 16"),
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 7}}, "is refused"),
+    ({"train_micro_batch_size_per_gpu": 4, "acco": {"enabled": True, "mode": "acco", "sync_evry": 3}},
+     'unknown key "acco.sync_evry"'),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "acco": {"enabled": True}},
+     "gradient_accumulation_steps must be even"),
+])
+def test_bad_config_refused(tmp_path, capsys, config, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit):
+        P.main([*SEVEN_B, "--inter-bandwidth", "10gbit", "--config", str(path)])
+    assert message in capsys.readouterr().err
+
+
+def test_config_odd_accumulation_refuses_acco_rows(tmp_path, capsys):
+    """A config the plan accepts (stock, odd accumulation) whose acco rows acco_ds would refuse: marked, never
+    recommended; the config's dtype is used."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                                "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    plan = run_json(capsys, "--inter-bandwidth", "400gbit", "--config", str(path))
+    assert plan["inputs"]["dtype"] == "fp16" and plan["inputs"]["micro_batches"] == 3
+    acco = next(m for m in plan["modes"] if m["name"] == "acco")
+    assert "must be even" in acco["refused"]
+    assert plan["recommended"] != "acco"
+    assert plan["notes"] == ['your config has ZeRO stage 2: acco_ds runs on stage 1 (set "zero_optimization": '
+                             '{"stage": 1} with an enabled "acco" block), and the zero1 row models stage 1']
+
+
+def test_measure_on_two_cpu_ranks(tmp_path):
+    """`python -m acco_ds.plan --measure` on 2 gloo ranks as 2 nodes of 1: the plan uses what was timed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1"}
+    cmd = [sys.executable, "-m", "acco_ds.plan", "--measure", "--model", "plan_models:tiny", "--tokens-per-step",
+           "64", "--micro-batches", "2", "--json"]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
+    assert outs[1][0] == ""  # only rank 0 prints
+    plan = json.loads(outs[0][0])
+    m = plan["measured"]
+    assert (m["nodes"], m["ranks_per_node"], m["params"], m["dtype"]) == (2, 1, 32 * 64 + 64 + 64 * 8 + 8, "fp32")
+    assert plan["inputs"]["compute_s"] == m["compute_s"] > 0
+    assert plan["inputs"]["inter_bps"] == pytest.approx(m["inter_bps"]) and m["inter_bps"] > 1e6
+    sizes = [n for n, _ in m["inter_samples"]]
+    assert sizes == sorted(sizes) and len(sizes) >= 2
+    assert m["inter_samples"][-1][1] > m["inter_samples"][0][1]  # 4096x the bytes take longer
+    assert plan["recommended"] in {r["name"] for r in plan["modes"]}
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_literature_figures_pinned():
+    """benchmarks/plan_literature.py: INTELLECT-1's 400x (the plan: 393.8x with fp32 block scales) and the
+    bandwidth x step-time products behind its 96% / 83% compute utilization (docs/plan.md)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_literature as lit
+    assert lit.intellect_reduction() == pytest.approx(400 / (1 + 4 / 256), rel=1e-9)
+    assert lit.intellect_bandwidth_step_product(0.96) == pytest.approx(36.21, abs=0.01)
+    assert lit.intellect_bandwidth_step_product(0.83) == pytest.approx(7.37, abs=0.01)
+    # the product is what the model needs: 1 Gbit/s with 36.2 s steps gives 96%
+    assert lit.intellect_utilization(1.0, 36.21) == pytest.approx(0.96, abs=1e-3)
+    proj = lit.projections()
+    assert proj[(7e9, 100)][0] in ("dpu", "acco", "sync", "zero1")
+    assert proj[(7e9, 1)][0] in ("diloco", "diloco int8", "streaming", "streaming int8", "co2", "co2 int8", "edit",
+                                 "edit int8", "a-edit", "a-edit int8", "sparseloco")
+    assert proj[(70e9, 100)][1]["zero1"][0] > proj[(1e9, 100)][1]["zero1"][0]  # the ring's latency weighs less
+
+
+def test_plan_measured_api():
+    """The script API: measured figures (as ``plan_measure.measure`` returns them) into the plan."""
+    figures = {"nodes": 2, "ranks_per_node": 4, "micro_batches": 2, "params": 10_000_000, "dtype": "fp32",
+               "tensor_sizes": [6_000_000, 4_000_000], "compute_s": 0.5, "inter_bps": 1e9, "inter_latency_s": 0.01,
+               "intra_bps": 1e11, "intra_latency_s": 1e-5}
+    plan = P.plan_measured(figures, tokens_per_step=1e6)
+    inp = plan["inputs"]
+    assert (inp["compute_s"], inp["inter_bps"], inp["world"], inp["dtype"], inp["micro_batches"]) == \
+        (0.5, 1e9, 8, "fp32", 2)
+    sparse = next(m for m in plan["modes"] if m["name"] == "sparseloco")
+    per_sync = (1464 + 1 + 976 + 1) * (4 + 144)  # 6M = 1464 x 4096 + 3456, 4M = 976 x 4096 + 2304; R-1 = 1
+    assert sparse["inter_bytes_per_sync"] == per_sync
