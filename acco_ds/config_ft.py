@@ -15,12 +15,33 @@ import socket
 from typing import Literal, Optional
 from urllib.parse import urlparse
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, field_validator
 
 from .config_local import _Documented
 
 LIGHTHOUSE_ENV, REPLICA_ENV = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID"
 START_LIGHTHOUSE = "torchft_lighthouse --min_replicas 1 --bind [::]:29510 --join_timeout_ms 1000"
+
+
+def lighthouse_problem(addr: str):
+    """None if ``addr`` is an http(s) URL with a host and a port (what torchft's lighthouse client dials),
+    else what is wrong with it and the fix. The lighthouse has no authentication
+    (docs/checkpoint-safety.md): its address belongs on the cluster's private network."""
+    try:
+        url = urlparse(addr)
+        port = url.port
+    except ValueError as err:  # a port that is not a number, or out of range
+        url, port, problem = None, None, str(err)
+    else:
+        problem = (f"the scheme is missing: write http://{addr}" if "://" not in addr else
+                   "the scheme must be http or https" if url.scheme not in ("http", "https") else
+                   "it names no host" if not url.hostname else
+                   "it names no port" if port is None else
+                   "it carries a user or password, which the lighthouse does not check" if url.username else
+                   "it carries a path, query or fragment" if url.path not in ("", "/") or url.query or url.fragment
+                   else None)
+    return problem and (f"must be an http(s) URL with a host and a port, such as http://10.0.0.5:29510 (the "
+                        f"lighthouse's address on the cluster's private network): {problem}")
 
 
 class FaultToleranceConfig(_Documented):
@@ -52,6 +73,14 @@ class FaultToleranceConfig(_Documented):
     tokens, the per-step batch being the same), so a slow replica (A-EDiT) counts for what it did. A
     replica that just healed weighs 0."""
 
+    @field_validator("lighthouse")
+    @classmethod
+    def _lighthouse_is_a_url(cls, value):
+        problem = value and lighthouse_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
     def check(self, acco) -> None:
         """How the block combines with the rest of ``"acco"`` (one ``ValueError`` naming the fix)."""
         if not acco.local:
@@ -81,7 +110,10 @@ class FaultToleranceConfig(_Documented):
             raise ValueError(f"acco.fault_tolerance needs a torchft lighthouse: set {LIGHTHOUSE_ENV} (e.g. "
                              f"http://localhost:29510) or acco.fault_tolerance.lighthouse. Start one with "
                              f"`{START_LIGHTHOUSE}`")
-        return addr if "://" in addr else f"http://{addr}"
+        problem = lighthouse_problem(addr)  # the key was checked when the config was read; the variable here
+        if problem:
+            raise ValueError(f"{LIGHTHOUSE_ENV}={addr!r} {problem}")
+        return addr
 
     def resolved_replica_id(self) -> str:
         rid = self.replica_id or os.environ.get(REPLICA_ENV)
@@ -108,4 +140,4 @@ class FaultToleranceConfig(_Documented):
         return addr
 
 
-__all__ = ["FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_ENV", "START_LIGHTHOUSE"]
+__all__ = ["FaultToleranceConfig", "lighthouse_problem", "LIGHTHOUSE_ENV", "REPLICA_ENV", "START_LIGHTHOUSE"]

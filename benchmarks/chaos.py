@@ -9,9 +9,9 @@ example's model, data and evaluation, plus per-sync records) until the global mo
 syncs. The same failure schedule (seeded: at the global model's sync k, plus a few seconds, a SIGKILL; the
 victim comes back ``--down_s`` later) hits both arms:
 
-* ``ft``: a torchft lighthouse and one ``deepspeed --num_gpus 1`` launch per replica (``acco.fault_tolerance``,
-  merge "tokens", min_replicas 1). A kill is a SIGKILL of the victim launch's process group; the relaunch
-  has the same REPLICA_GROUP_ID and heals from a live replica.
+* ``ft``: a torchft lighthouse and one ``deepspeed --num_gpus 1`` launch per replica (``--launcher``: or
+  the rank alone; ``acco.fault_tolerance``, merge "tokens", min_replicas 1). A kill is a SIGKILL
+  of the victim launch's process group; the relaunch has the same REPLICA_GROUP_ID and heals from a live one.
 * ``plain``: one ``deepspeed --num_gpus 3`` launch, ``"local_sgd": {"replica_group_size": 1}``, a checkpoint
   every ``--save_every`` syncs. A kill is a SIGKILL of the victim rank, then of the whole launch (a rank's
   death ends the launch); this script, the supervisor, relaunches everything, which loads the last checkpoint.
@@ -25,7 +25,7 @@ straggler rows: A-EDiT (mode edit, sync_time_s) with fault tolerance, replica 0 
 Each replica is held to ``--cores`` CPU cores by a cgroup (harness.CpuCap, weighted ``--shares`` against other
 work; the plain launch gets 3x both for its 3 ranks), so a dead replica's CPU is not handed to its survivors,
 as on separate machines. Each run has a hard deadline; its processes and cgroups are removed at its end.
-Ports: 29800-29899. Results: benchmarks/results/chaos.{md,json,png}.
+Ports: 29800-29899. Results: benchmarks/results/chaos.{md,json,png}. Relaunch phases: chaos_phases.py.
 """
 
 import argparse
@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import chaos_phases
 import harness
 
 ROOT = harness.ROOT
@@ -118,20 +119,21 @@ class Run:
 
     def launch(self, r):
         """Start replica r's launch (plain: the launch of all 3 ranks)."""
-        args, n = self.args, self.count
+        args, n, at = self.args, self.count, time.time() - self.t0  # at: before the launch's processes start
         self.count += 1
         port = FT_PORTS + 10 * r + 2 * (n % 4) if self.ft else PLAIN_PORT + 2 * (n % 8)
         env = dict(self.env, REPLICA_GROUP_ID=str(r), TORCHFT_MANAGER_PORT=str(port + 1)) if self.ft else self.env
-        argv = [str(BIN / "deepspeed"), "--num_gpus", "1" if self.ft else "3", "--master_port", str(port), WORKER,
-                "--deepspeed_config", str(self.paths[r]), "--syncs", str(args.syncs_of(self.name)),
-                "--record", str(self.record), "--n_layer", str(args.n_layer), "--n_embd", str(args.n_embd),
-                "--eval_every", "1", "--seed", str(args.seed)]
+        kind = args.launcher if self.ft else "deepspeed"  # --launcher: how a fault-tolerant replica starts
+        env, launcher = chaos_phases.launcher(kind, env, BIN, 1 if self.ft else 3, port)
+        argv = launcher + [WORKER, "--deepspeed_config", str(self.paths[r]), "--syncs", str(args.syncs_of(self.name)),
+                           "--record", str(self.record), "--n_layer", str(args.n_layer), "--n_embd",
+                           str(args.n_embd), "--eval_every", "1", "--seed", str(args.seed)]
         if not self.ft:
             argv += ["--save_every_syncs", str(args.save_every), "--ckpt", str(self.dir / "ckpt")]
         if self.caps[r] is not None:
             argv = self.caps[r].wrap(argv)
         self.launches[r] = harness.RankSet([(env, argv)], self.dir / f"launch{n}_r{r}", deadline=self.deadline)
-        self.events.append({"event": "launch", "t": time.time() - self.t0, "replica": r, "launch": n})
+        self.events.append({"event": "launch", "t": at, "replica": r, "launch": n})
 
     def records(self):
         out = []
@@ -247,6 +249,7 @@ def summarize(run, args):
     back = [[d["t"] - run.t0 - e["t"] for d in starts if d["t"] - run.t0 > e["t"]] for e in run.events
             if e["event"] == "kill"]
     out["recovery_s"] = [round(min(b), 1) if b else None for b in back]
+    out["relaunch_phases"] = chaos_phases.relaunch_phases(recs, run.events, run.t0)
     if run.ft:
         per = [procs[p] for p in procs]
         out.update({k: [d.get(k) for d in per] for k in ("syncs_discarded", "heals", "heal_s", "heal_bytes",
@@ -347,6 +350,7 @@ def markdown(res, goals, meta):
             one, err = one_model(e)
             out += (f"| {e['run'].split('_')[1]}{err} | {e['wall_s']} | {e['committed_tokens']:,} | "
                     f"{at_time(e['curve'], t)} | {e['final_val']} | {one} |\n")
+    out += chaos_phases.markdown((res.get("ft_chaos") or {}).get("relaunch_phases"))
     out += "\nGoals:\n\n" + "\n".join(f"- {line}" for line in goal_words(goals, res)) + "\n"
     return out
 
@@ -423,6 +427,7 @@ def main(argv=None):
     ap.add_argument("--quorum_timeout_s", type=float, default=90.0)
     ap.add_argument("--run_limit_s", type=float, default=600.0, help="hard deadline of each run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launcher", choices=chaos_phases.LAUNCHERS, default="deepspeed", help="of the ft arm")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, records, checkpoints)")
     ap.add_argument("--out", default=str(RESULTS / "chaos"), help="results path without extension")
     args = ap.parse_args(argv)
@@ -469,7 +474,8 @@ def main(argv=None):
                          f"sync."),
             "code": harness.sh("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD").stdout.strip() + (" + uncommitted changes" if
                     harness.sh("git", "-C", str(ROOT), "status", "--porcelain", "-uno").stdout.strip() else ""),
-            "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else ""),
+            "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else "") +
+                       (f" --launcher {args.launcher}" if args.launcher != "deepspeed" else ""),
             "minutes": round((time.time() - t0) / 60, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "seed": args.seed, "schedule": schedule,
             "schedule_words": "; ".join(f"sync {k['sync']} + {k['offset_s']} s: replica {k['victim']}"

@@ -17,19 +17,29 @@ What it adds to the example:
   the join (or the load) and an ``end`` line with a SHA-256 of the committed weights.
 * ``--save_every_syncs N --ckpt DIR``: ``save_checkpoint`` every N syncs; a launch that finds ``DIR/latest``
   loads it first (the restart-all baseline).
+* ``--record``'s ``start`` line also says where a (re)launched process's time went, as wall-clock stamps:
+  the process's start (``proc_start``), the end of its imports (``t_imported``), the engine build's start and
+  end (``t_build``, ``t_engine``: the join's quorum wait and heal happen inside it, and the counters
+  ``quorum_wait_s`` and ``heal_s`` say how long), and the launcher's start (``launcher_start``: the oldest
+  ancestor process of this rank inside the launch). A ``stepped`` line follows the first inner step.
+  ``benchmarks/chaos_phases.py`` turns them into a table.
 * Data resumes at the replica's position: micro-batch ``global_steps x gradient_accumulation_steps`` (0 for
   a fresh start; after a load or a heal the steps the replica, or the one it healed from, had taken).
 """
 
-import argparse
-import hashlib
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-import torch
+T_MAIN = time.time()  # before any import: what follows is the imports' cost
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -41,6 +51,7 @@ from harness import skip_deepspeed_shm_op  # noqa: E402
 import acco_ds  # noqa: E402
 
 skip_deepspeed_shm_op()  # DeepSpeed's inference-only op: no JIT build (or wait on one) at every relaunch
+T_IMPORTED = time.time()
 
 FT_KEYS = ("syncs_discarded", "heals", "heal_s", "heal_bytes", "quorum_wait_s", "quorums", "participants_min",
            "participants_mean", "participants_max", "outer_comm_s", "outer_wait_s")
@@ -54,6 +65,17 @@ def committed_digest(engine) -> str:
             h.update(name.encode())
             h.update(p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def process_times() -> dict:
+    """This process's start and its launcher's (the oldest ancestor of this launch that is the ``deepspeed``
+    runner or its launch.py; this process when started directly), as wall-clock times."""
+    me = psutil.Process()
+    ancestors = [p for p in me.parents() if p.create_time() > me.create_time() - 120]  # this launch's own
+    launcher = [p for p in ancestors if any("deepspeed" in a or "torchrun" in a or "torch.distributed.run" in a
+                                            for a in p.cmdline()[:3])]
+    return {"proc_start": me.create_time(), "t_main": T_MAIN, "t_imported": T_IMPORTED,
+            "launcher_start": min(p.create_time() for p in launcher) if launcher else me.create_time()}
 
 
 def main():
@@ -83,8 +105,10 @@ def main():
     split = int(0.9 * len(data))
     model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
     weight_decay = config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    t_build = time.time()
     engine, _, _, _ = acco_ds.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                          config=config)  # a fault-tolerant replica joins (and heals) here
+    t_engine = time.time()
     if args.ckpt and (Path(args.ckpt) / "latest").exists():
         engine.load_checkpoint(args.ckpt)
     device, gas = engine.device, engine.gradient_accumulation_steps()
@@ -101,8 +125,9 @@ def main():
         out.write(json.dumps(line) + "\n")
         out.flush()
 
-    write("start", val=evaluate(engine, val, args.eval_batches, device))
-    steps_since, losses = 0, []
+    write("start", val=evaluate(engine, val, args.eval_batches, device), t_build=t_build, t_engine=t_engine,
+          **process_times())
+    steps_since, losses, stepped = 0, [], False
     while engine.acco_syncs < args.syncs:
         x, y = train.get(micro)
         before, syncs_before = engine.global_steps, engine.acco_syncs
@@ -111,6 +136,9 @@ def main():
         engine.step()
         micro += 1
         losses.append(loss.item())
+        if not stepped:
+            stepped = True
+            write("stepped")
         if engine.global_steps == before:
             continue
         steps_since += 1

@@ -283,3 +283,33 @@ def test_memory_plan_counts_compression():
     assert outer_residual_bytes(n, 2, 4, {**int8, "apply_to": ["rounds"]}) == 0
     est = estimate_memory(params=7e9, gpus=16, dtype="bf16", compression=int8, nodes=2, verbose=False)
     assert est["acco_bytes"] > estimate_memory(params=7e9, gpus=16, dtype="bf16", verbose=False)["acco_bytes"]
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("localhost:29510", "the scheme is missing: write http://localhost:29510"),
+    ("tcp://10.0.0.5:29510", "the scheme must be http or https"),
+    ("file:///etc/hosts", "the scheme must be http or https"),
+    ("http://10.0.0.5", "it names no port"),
+    ("http://:29510", "it names no host"),
+    ("http://10.0.0.5:99999", "Port out of range"),
+    ("http://admin:secret@10.0.0.5:29510", "a user or password, which the lighthouse does not check"),
+    ("http://10.0.0.5:29510/quorum", "it carries a path, query or fragment"),
+])
+def test_the_lighthouse_is_an_http_url_with_a_host_and_a_port(address, problem, monkeypatch):
+    """acco.fault_tolerance.lighthouse (and TORCHFT_LIGHTHOUSE, read when the replica starts) takes only
+    http(s)://host:port: anything else is refused by name, with the fix."""
+    from acco_ds.config_ft import FaultToleranceConfig
+    block = {"acco": {"enabled": True, "mode": "diloco", "fault_tolerance": {"lighthouse": address}}}
+    with pytest.raises(ValueError) as err:
+        parse_acco_config(block)
+    text = str(err.value)
+    assert '"acco.fault_tolerance.lighthouse": Value error, must be an http(s) URL with a host and a port, such as ' \
+           'http://10.0.0.5:29510' in text and problem in text and f"(got {address!r})" in text, text
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+    with pytest.raises(ValueError, match=f"^TORCHFT_LIGHTHOUSE={address!r} must be an http.s. URL"):
+        FaultToleranceConfig().resolved_lighthouse()
+    for good in ("http://10.0.0.5:29510", "https://lighthouse.cluster.internal:443", "http://[fd00::5]:29510/"):
+        assert parse_acco_config({"acco": {**block["acco"], "fault_tolerance": {"lighthouse": good}}}) \
+            .fault_tolerance.lighthouse == good
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", good)
+        assert FaultToleranceConfig().resolved_lighthouse() == good

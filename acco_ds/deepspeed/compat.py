@@ -89,6 +89,11 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
     *(("deepspeed.checkpoint.constants", key, "to read and write ZeRO checkpoint files (a resharding load)")
       for key in ("OPTIMIZER_STATE_DICT", "BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS", "GROUP_PADDINGS",
                   "PARAM_ALIGNMENT_PADDINGS", "PARTITION_COUNT", "PARAM_SLICE_MAPPINGS")),
+    *((module, name, "as a plain data type a ZeRO checkpoint file holds, built by a resharding load's safe "
+       "torch.load(weights_only=True)") for module, name in (
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"), ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"))),
     ("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config", "to read the config from any place "
      "deepspeed.initialize accepts it"),
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
@@ -260,6 +265,7 @@ DeepSpeedZeroOptimizer = _resolved[("deepspeed.runtime.zero.stage_1_and_2", "Dee
 ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeException")]
 (OPTIMIZER_STATE_DICT, BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS, GROUP_PADDINGS, PARAM_ALIGNMENT_PADDINGS,
  PARTITION_COUNT, PARAM_SLICE_MAPPINGS) = (_resolved[(m, k)] for m, k, _ in IMPORTS if m == "deepspeed.checkpoint.constants")
+ZERO_FILE_TYPES = tuple(_resolved[(m, k)] for m, k, why in IMPORTS if why.startswith("as a plain data type"))
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]
 is_model_parallel_parameter = _resolved[("deepspeed.runtime.utils", "is_model_parallel_parameter")]
 has_moe_layers = _resolved[("deepspeed.moe.utils", "has_moe_layers")]

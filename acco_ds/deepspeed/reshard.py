@@ -13,12 +13,12 @@ the model-states file first): they are the committed weights. Rank 0 says what h
 
 import os
 
-import torch
-
 from ..runtime.reshard import Layout, Plan, reshard_rounds
+from ..safe_load import UnsafeCheckpointFile, load_safely
 from .checkpoint import ACCO_STATE_KEY
 from .compat import (BASE_OPTIMIZER_STATE, GROUP_PADDINGS, OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS,
-                     PARTITION_COUNT, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS, check_instance, comm)
+                     PARTITION_COUNT, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_FILE_TYPES,
+                     check_instance, comm)
 from .progress import _say
 
 _FIX = ("copy it back from where the checkpoint was written, or load an earlier tag (load_checkpoint(dir, "
@@ -52,9 +52,12 @@ def load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states, stock) ->
 
 
 def _read(name, load_dir, tag) -> dict:
-    """A ZeRO file's optimizer state, memory-mapped (slices are read when used)."""
+    """A ZeRO file's optimizer state, memory-mapped (slices are read when used) and loaded safely
+    (``acco_ds/safe_load.py``: tensors, plain data and DeepSpeed's few plain data types, no code runs)."""
     try:
-        state = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
+        state = load_safely(name, allowed=ZERO_FILE_TYPES, mmap=True)
+    except UnsafeCheckpointFile as err:
+        raise UnsafeCheckpointFile(f"ACCO: the checkpoint in {load_dir} (tag {tag}): {err}") from None
     except Exception as err:  # noqa: BLE001 - any failure to read is a damaged file, named with the fix
         raise RuntimeError(f"ACCO: could not read the checkpoint in {load_dir} (tag {tag}): {name}: "
                            f"{type(err).__name__}: {err}. A file is probably truncated or corrupted: load an "

@@ -4,7 +4,11 @@
                          for FSDP2), loadable by ``model.load_state_dict`` without acco_ds
     <dir>/rank<r>.pt     rank r's ``optimizer.state_dict()``: its optimizer shard, its rounds or replica in
                          flight, the outer loop's state and the counters
-    <dir>/meta.pt        world size and mode
+    <dir>/meta.pt        world size, mode and the user's ``client_state``
+
+Every file is read with ``torch.load(weights_only=True)`` (``acco_ds/safe_load.py``): loading a checkpoint
+runs no code, and a file holding anything but tensors and plain data is refused by name. ``client_state`` is
+checked against the same rule at ``save``.
 
 ``load`` restores everything (the run continues bit for bit), or with
 ``load_optimizer_states=False`` only the weights of ``model.pt``: the
@@ -17,6 +21,7 @@ import os
 import torch
 import torch.distributed as tdist
 
+from ..safe_load import check_safe
 from .reshard import load_resharded, read, replica_size, saved_replica_size
 
 
@@ -25,9 +30,19 @@ def _full(value):
 
 
 def save(path, model, optimizer, client_state=None) -> None:
-    """Write the checkpoint folder ``path`` (collective: every rank calls it). ``client_state``: anything
-    picklable of yours (data position, scheduler state), returned by ``load``."""
+    """Write the checkpoint folder ``path`` (collective: every rank calls it). ``client_state``: rank 0's
+    extras (data position, scheduler state), returned by ``load``: tensors and plain data only (what
+    ``torch.load(weights_only=True)`` builds), else a ``ValueError`` on every rank before anything is written."""
     rank, world = tdist.get_rank(), tdist.get_world_size()
+    problem = [None]
+    if rank == 0:
+        try:
+            check_safe(client_state, "acco_ds.torch.save: client_state")
+        except ValueError as err:
+            problem[0] = str(err)
+    tdist.broadcast_object_list(problem, src=0)  # every rank refuses alike (none waits at the barrier below)
+    if problem[0]:
+        raise ValueError(problem[0])
     os.makedirs(path, exist_ok=True)
     with optimizer.committed_weights():
         weights = {k: _full(v) for k, v in model.state_dict().items()}
@@ -48,7 +63,7 @@ def load(path, model, optimizer, load_optimizer_states: bool = True):
         raise FileNotFoundError(f"acco_ds.torch.load: {path} is not an acco_ds.torch checkpoint (no meta.pt)")
     meta = read(meta_path)
     if not load_optimizer_states:
-        weights = torch.load(os.path.join(path, "model.pt"), weights_only=False)
+        weights = read(os.path.join(path, "model.pt"))
         if hasattr(optimizer, "locals"):  # FSDP2: full tensors into the shards
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
             set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
@@ -70,8 +85,25 @@ def load(path, model, optimizer, load_optimizer_states: bool = True):
     if meta["world_size"] != world or saved_replica_size(files[0], world) != replica_size(optimizer):
         load_resharded(path, files, model, optimizer, meta)
     else:
-        optimizer.load_state_dict(read(files[rank]))
+        optimizer.load_state_dict(_read_everywhere(files[rank]))
     return meta["client_state"]
+
+
+def _read_everywhere(name):
+    """This rank's file, or an error on every rank if any rank could not read its own: a rank that went on
+    alone would wait forever in its first collective for the peers that stopped."""
+    try:
+        state, problem = read(name), None
+    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+        state, problem = None, err
+    problems = [None] * tdist.get_world_size()
+    tdist.all_gather_object(problems, None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    for r, text in enumerate(problems):
+        if text is not None:
+            raise RuntimeError(f"acco_ds.torch.load: rank {r} could not load its file: {text}")
+    return state
 
 
 

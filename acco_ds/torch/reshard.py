@@ -14,13 +14,16 @@ import torch
 import torch.distributed as tdist
 
 from ..runtime.reshard import Layout, Plan, reshard_rounds
+from ..safe_load import UnsafeCheckpointFile, load_safely
 
 
 def read(name):
-    """One file of a checkpoint folder, memory-mapped (a resharding load reads only the slices it needs);
-    a damaged file is named, with the fix."""
+    """One file of a checkpoint folder, memory-mapped (a resharding load reads only the slices it needs) and
+    loaded safely (``acco_ds/safe_load.py``: no code runs); an unsafe or damaged file is named, with the fix."""
     try:
-        return torch.load(name, map_location="cpu", weights_only=False, mmap=True)
+        return load_safely(name, mmap=True)
+    except UnsafeCheckpointFile as err:
+        raise UnsafeCheckpointFile(f"acco_ds.torch.load: {err}") from None
     except Exception as err:  # noqa: BLE001 - any failure to read is a damaged file
         raise RuntimeError(f"acco_ds.torch.load: could not read {name}: {type(err).__name__}: {err}. The file is "
                            f"probably truncated or corrupted: load an earlier checkpoint, or load only the "
