@@ -137,7 +137,8 @@ class AccoCPUOpBuilder(_AccoOpBuilder, CPUOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [str(csrc_dir() / "bindings" / "acco_cpu_ops.cpp"), str(csrc_dir() / "cpu" / "acco_cpu.cpp")]
+        return [str(csrc_dir() / "bindings" / "acco_cpu_ops.cpp"), str(csrc_dir() / "cpu" / "acco_cpu.cpp"),
+                str(csrc_dir() / "cpu" / "acco_sparse_cpu.cpp")]
 
     def cxx_args(self):
         # -ffp-contract=off: fuse no multiply-add that torch does not fuse (bit-exact m, v).
