@@ -154,7 +154,8 @@ class AccoCUDAOpBuilder(_AccoOpBuilder, CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [str(csrc_dir() / "bindings" / "acco_cuda_ops.cpp"), str(csrc_dir() / "cuda" / "acco_cuda_kernels.cu")]
+        return [str(csrc_dir() / "bindings" / "acco_cuda_ops.cpp"), str(csrc_dir() / "cuda" / "acco_cuda_kernels.cu"),
+                str(csrc_dir() / "cuda" / "acco_sparse_kernels.cu")]
 
     def nvcc_args(self):
         # DeepSpeed builds with --use_fast_math (approximate sqrt and division, flushed
