@@ -14,7 +14,8 @@ msgpack, einops, tqdm, pytest and pytest's `packaging`). The CPU dry run of test
     DS_ACCELERATOR=cpu python benchmarks/gpu_check.py --device cpu --tiny --skip-pytest --out /tmp/x.json
 
 Sections, each guarded (a failure is recorded with its traceback, the next section runs): environment,
-build, correctness, timing, training, local_sgd, pytest, summary. Targets are reported, not enforced:
+build, correctness, timing (both also of the sparse top-k kernels, guarded apart), training, local_sgd,
+pytest, summary. Targets are reported, not enforced:
 fused peek >= 80% of copy bandwidth at 64M elements; ACCO sync tokens/s within 3% of stock ZeRO-1; ACCO
 peak memory <= 1.05 x (stock peak + the estimator's extra bytes). Exit status: 0 when every section
 ran, 1 when one failed, 2 when --device cuda finds no CUDA device.
@@ -52,7 +53,8 @@ import torch  # noqa: E402
 
 import gpu_model  # noqa: E402 - benchmarks/ is on sys.path: this script's folder
 import harness  # noqa: E402
-from gpu_kernels import adam_inputs, rel_err, timeit  # noqa: E402
+from gpu_kernels import adam_inputs, guarded, rel_err, timeit  # noqa: E402
+from gpu_kernels import sparse_correctness, sparse_summary_rows, sparse_timing  # noqa: E402
 from gpu_model import GPT, load_corpus  # noqa: E402
 
 T0 = time.perf_counter()
@@ -143,7 +145,7 @@ def build():
     from acco_ds.ops.builder import BUILDERS
     builder = BUILDERS[DEV]()
     out = {"op": builder.NAME, "compatible": bool(builder.is_compatible()),
-           "aot_built": builder.aot_module() is not None}
+           "aot_built": builder.aot_module() is not None, "sources": [Path(s).name for s in builder.sources()]}
     start = time.perf_counter()
     kernels = ops.load_kernels("native", DEV)  # JIT-builds unless AOT-built; a stale build lock cannot hang it
     out.update(build_s=round(time.perf_counter() - start, 2), loaded=True, kernels=kernels.name)
@@ -186,7 +188,10 @@ def correctness():
                 cases.append({**case, "pass": bool(ok)})
     n_pass = sum(c["pass"] for c in cases)
     log(f"adamw_update ({native.name}) vs reference, {n} elements: {n_pass}/{len(cases)} cases pass")
-    return {"kernels": native.name, "numel": n, "cases": cases, "all_pass": n_pass == len(cases)}
+    sparse = guarded(sparse_correctness, native, DEV, TINY, log)  # sparse outer communication, vs the CPU reference
+    failed = {} if sparse.get("all_pass") else {"ok": False, "error": f"sparse kernels: {sparse.get('error', 'differ')}"}
+    return {"kernels": native.name, "numel": n, "cases": cases, "all_pass": n_pass == len(cases), "sparse": sparse,
+            **failed}
 
 
 section("correctness", correctness)
@@ -221,8 +226,10 @@ def timing():
                 f"({row['fused_pct_copy']:3.0f}% of copy) | torch {row['torch_ms']:8.3f} ms "
                 f"({row['torch_pct_copy']:3.0f}%) | {row['torch_ms'] / row['fused_ms']:.1f}x")
         del master, grad, m, v, out
+    sparse = guarded(sparse_timing, native, DEV, TINY, repeats, log)
+    failed = {} if sparse["ok"] else {"ok": False, "error": f"sparse kernels: {sparse['error']}"}
     return {"kernels": native.name, "copy_numel": big, "copy_GBps": copy_bw / 1e9, "repeats": repeats,
-            "timer": "cuda events" if CUDA else "perf_counter", "rows": rows,
+            "timer": "cuda events" if CUDA else "perf_counter", "rows": rows, "sparse": sparse, **failed,
             "pack": "not timed: the pack/unpack kernels were removed in issue 15"}
 
 
@@ -440,6 +447,7 @@ def summary():
             rows.append((f"fused {r['kernel']} @ {r['numel'] / 2**20:g}M", f"{r['fused_GBps']:.1f} GB/s = "
                          f"{r['fused_pct_copy']:.0f}% of copy, {r['torch_ms'] / r['fused_ms']:.1f}x torch",
                          ">= 80% of copy" if checked else "-", verdict(r["fused_pct_copy"] >= 80 if checked else None)))
+    rows += sparse_summary_rows(S, verdict)
     tr = S["training"]
     runs = tr.get("runs") or {}
     stock = runs.get("stock")

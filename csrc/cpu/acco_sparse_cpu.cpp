@@ -16,6 +16,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinParallel = 1 << 15;  // elements; below this a parallel region costs more than it saves
+constexpr int64_t kGroup = 16;              // elements tested at once against the heap's floor
 
 // Restore the min-heap h[0..n) after h[0] was replaced.
 void sift_down(uint64_t* h, int64_t n) {
@@ -47,16 +48,27 @@ float select_chunk(const float* e, int64_t len, int64_t k, std::vector<uint64_t>
   for (int64_t i = 0; i < k; ++i) heap[i] = selection_key(e[i], i);
   std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
   uint64_t floor = heap[0];
-  for (int64_t i = k; i < len; ++i) {
+  auto offer = [&](int64_t i) {
     // Compare the magnitude bits first: the full key only matters when they are at least the floor's.
-    if (static_cast<uint64_t>(magnitude_bits(e[i])) < (floor >> 16)) continue;
+    if (static_cast<uint64_t>(magnitude_bits(e[i])) < (floor >> 16)) return;
     const uint64_t key = selection_key(e[i], i);
     if (key > floor) {
       heap[0] = key;
       sift_down(heap.data(), k);
       floor = heap[0];
     }
+  };
+  int64_t i = k;
+  for (; i + kGroup <= len; i += kGroup) {
+    // Most groups hold nothing above the floor: one vectorized max skips them (equal bits at a later index
+    // lose the tie, so a group whose max is below the floor's bits cannot enter).
+    uint32_t group_max = 0;
+#pragma omp simd reduction(max : group_max)
+    for (int64_t t = 0; t < kGroup; ++t) group_max = std::max(group_max, magnitude_bits(e[i + t]));
+    if (static_cast<uint64_t>(group_max) < (floor >> 16)) continue;
+    for (int64_t t = 0; t < kGroup; ++t) offer(i + t);
   }
+  for (; i < len; ++i) offer(i);
   for (int64_t j = 0; j < k; ++j) {
     kept[j] = 65535 - static_cast<int32_t>(heap[j] & 0xFFFFu);
     max_bits = std::max(max_bits, static_cast<uint32_t>(heap[j] >> 16));
