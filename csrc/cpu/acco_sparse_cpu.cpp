@@ -1,10 +1,8 @@
 // CPU kernels of sparse outer communication: chunked top-k + quantize + pack + error-feedback residual in one
 // pass per chunk, and unpack + accumulate. Parallel over chunks (OpenMP, one region per call).
 //
-// Selection per chunk: a min-heap of the k largest keys seen so far (key: acco_sparse.h, |e| bits then the
-// lower index), one read of the chunk. On gradient-like data few entries beat the heap's minimum (about
-// k ln(len / k) of them), so this costs little more than the read; in the worst case (magnitudes increasing
-// along the chunk) len log k. Then the kept indices are sorted ascending and quantized in that order.
+// Selection per chunk (key: acco_sparse.h, |e| bits then the lower index): see select_chunk. Then the kept
+// indices are sorted ascending and quantized in that order.
 #include <algorithm>
 #include <vector>
 
@@ -16,25 +14,22 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinParallel = 1 << 15;  // elements; below this a parallel region costs more than it saves
-constexpr int64_t kGroup = 16;              // elements tested at once against the heap's floor
+constexpr int64_t kGroup = 16;              // elements per group of the selection's first read
 
-// Restore the min-heap h[0..n) after h[0] was replaced.
-void sift_down(uint64_t* h, int64_t n) {
-  int64_t i = 0;
-  const uint64_t x = h[0];
-  for (;;) {
-    int64_t child = 2 * i + 1;
-    if (child >= n) break;
-    if (child + 1 < n && h[child + 1] < h[child]) ++child;
-    if (h[child] >= x) break;
-    h[i] = h[child];
-    i = child;
-  }
-  h[i] = x;
-}
+struct Scratch {  // per thread, reused from chunk to chunk
+  std::vector<uint32_t> group_max, order;
+  std::vector<uint64_t> keys;
+};
 
-// The in-chunk indices of the k largest keys of e[0..len), ascending, into `kept`; returns max |e| over them.
-float select_chunk(const float* e, int64_t len, int64_t k, std::vector<uint64_t>& heap, std::vector<int32_t>& kept) {
+// The in-chunk indices of the k largest keys of e[0..len) (0 < k <= len), ascending, into `kept`; returns
+// max |e| over them. Two reads of the chunk:
+//   1. the max |e| bits of each group of 16 (vectorized), and `floor`, the k-th largest of those maxima:
+//      they are k different elements, so at least k elements have bits >= floor and no element below it can
+//      be kept. (On gradient-like data, chunk 4096 and k 64, floor sits near the 98th percentile.)
+//   2. the groups whose max reaches the floor are scanned; their elements at or above it become candidate
+//      keys (appended without a branch), and std::nth_element keeps the k largest. Keys are unique (they hold
+//      the index), so these are exactly the contract's, ties included. Linear time whatever the data.
+float select_chunk(const float* e, int64_t len, int64_t k, Scratch& s, std::vector<int32_t>& kept) {
   kept.resize(k);
   uint32_t max_bits = 0;
   if (k == len) {  // everything is kept: no selection
@@ -44,34 +39,35 @@ float select_chunk(const float* e, int64_t len, int64_t k, std::vector<uint64_t>
     }
     return bits_to_float(max_bits);
   }
-  heap.resize(k);
-  for (int64_t i = 0; i < k; ++i) heap[i] = selection_key(e[i], i);
-  std::make_heap(heap.begin(), heap.end(), std::greater<uint64_t>());
-  uint64_t floor = heap[0];
-  auto offer = [&](int64_t i) {
-    // Compare the magnitude bits first: the full key only matters when they are at least the floor's.
-    if (static_cast<uint64_t>(magnitude_bits(e[i])) < (floor >> 16)) return;
-    const uint64_t key = selection_key(e[i], i);
-    if (key > floor) {
-      heap[0] = key;
-      sift_down(heap.data(), k);
-      floor = heap[0];
-    }
-  };
-  int64_t i = k;
-  for (; i + kGroup <= len; i += kGroup) {
-    // Most groups hold nothing above the floor: one vectorized max skips them (equal bits at a later index
-    // lose the tie, so a group whose max is below the floor's bits cannot enter).
-    uint32_t group_max = 0;
-#pragma omp simd reduction(max : group_max)
-    for (int64_t t = 0; t < kGroup; ++t) group_max = std::max(group_max, magnitude_bits(e[i + t]));
-    if (static_cast<uint64_t>(group_max) < (floor >> 16)) continue;
-    for (int64_t t = 0; t < kGroup; ++t) offer(i + t);
+  const int64_t groups = (len + kGroup - 1) / kGroup;
+  s.group_max.resize(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t lo = g * kGroup, hi = std::min(len, lo + kGroup);
+    uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = lo; i < hi; ++i) m = std::max(m, magnitude_bits(e[i]));
+    s.group_max[g] = m;
   }
-  for (; i < len; ++i) offer(i);
+  uint32_t floor = 0;
+  if (k <= groups) {
+    s.order.assign(s.group_max.begin(), s.group_max.end());
+    std::nth_element(s.order.begin(), s.order.begin() + (k - 1), s.order.end(), std::greater<uint32_t>());
+    floor = s.order[k - 1];
+  }
+  s.keys.resize(len);
+  int64_t n = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (s.group_max[g] < floor) continue;
+    const int64_t lo = g * kGroup, hi = std::min(len, lo + kGroup);
+    for (int64_t i = lo; i < hi; ++i) {
+      s.keys[n] = selection_key(e[i], i);
+      n += magnitude_bits(e[i]) >= floor ? 1 : 0;
+    }
+  }
+  if (n > k) std::nth_element(s.keys.begin(), s.keys.begin() + (k - 1), s.keys.begin() + n, std::greater<uint64_t>());
   for (int64_t j = 0; j < k; ++j) {
-    kept[j] = 65535 - static_cast<int32_t>(heap[j] & 0xFFFFu);
-    max_bits = std::max(max_bits, static_cast<uint32_t>(heap[j] >> 16));
+    kept[j] = 65535 - static_cast<int32_t>(s.keys[j] & 0xFFFFu);
+    max_bits = std::max(max_bits, static_cast<uint32_t>(s.keys[j] >> 16));
   }
   std::sort(kept.begin(), kept.end());
   return bits_to_float(max_bits);
@@ -84,14 +80,14 @@ void sparse_pack(float* e, const int64_t* offsets, const int64_t* entry_starts, 
   const bool parallel = offsets[chunks] - offsets[0] >= kMinParallel;
 #pragma omp parallel if (parallel)
   {
-    std::vector<uint64_t> heap;
+    Scratch scratch;
     std::vector<int32_t> kept;
 #pragma omp for schedule(dynamic, 16)
     for (int64_t c = 0; c < chunks; ++c) {
       float* chunk = e + offsets[c];
       const int64_t len = offsets[c + 1] - offsets[c];
       const int64_t k = std::min(topk, len);
-      const float m = k > 0 ? select_chunk(chunk, len, k, heap, kept) : 0.0f;
+      const float m = k > 0 ? select_chunk(chunk, len, k, scratch, kept) : 0.0f;
       int16_t* idx = indices + entry_starts[c];
       if (value_bits == 0) {
         float* v_out = static_cast<float*>(values) + entry_starts[c];
