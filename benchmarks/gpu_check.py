@@ -189,7 +189,8 @@ def correctness():
     n_pass = sum(c["pass"] for c in cases)
     log(f"adamw_update ({native.name}) vs reference, {n} elements: {n_pass}/{len(cases)} cases pass")
     sparse = guarded(sparse_correctness, native, DEV, TINY, log)  # sparse outer communication, vs the CPU reference
-    failed = {} if sparse.get("all_pass") else {"ok": False, "error": f"sparse kernels: {sparse.get('error', 'differ')}"}
+    failed = {} if sparse.get("all_pass") else {"ok": False,
+                                                "error": f"sparse kernels: {sparse.get('error', 'differ')}"}
     return {"kernels": native.name, "numel": n, "cases": cases, "all_pass": n_pass == len(cases), "sparse": sparse,
             **failed}
 

@@ -390,7 +390,8 @@ def sparse_section(args, dev, threads, sizes, native, command, path):
             continue
         table.append(f"| {r['size'] / 2**20:g}M | {r['kernel']} | {r['native_ms']:.2f} | {r['torch_ms']:.2f} | "
                      f"{r['torch_ms'] / r['native_ms']:.1f}x | {r['copy_ms']:.2f} | "
-                     f"{r['native_elements_per_s'] / 1e6:.0f} | {r['native_extra_MB']:.0f} / {r['torch_extra_MB']:.0f} |")
+                     f"{r['native_elements_per_s'] / 1e6:.0f} | "
+                     f"{r['native_extra_MB']:.0f} / {r['torch_extra_MB']:.0f} |")
     text = header + "\n\n" + "\n".join(table) + "\n"
     print("\n" + text)
     write_results(path, rows, text, {"machine": machine(dev, threads), "command": command, **SPARSE,

@@ -112,7 +112,8 @@ def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
         return module.sparse_pack(e, offsets, int(topk), int(value_bits))
 
     def sparse_unpack_accumulate(out, offsets, indices, values, scales, *, topk, value_bits, weight=1.0):
-        module.sparse_unpack_accumulate(out, offsets, indices, values, scales, int(topk), int(value_bits), float(weight))
+        module.sparse_unpack_accumulate(out, offsets, indices, values, scales, int(topk), int(value_bits),
+                                        float(weight))
 
     return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate, sparse_pack,
                    sparse_unpack_accumulate)
