@@ -44,19 +44,20 @@ def errors(n, seed, ties=True):
     return e
 
 
-def check(native, e, offsets, topk, bits, weight=1.0):
-    """Pack with both, compare the payloads and residuals; unpack both payloads into the same out, compare."""
-    want_e, got_e = e.clone(), e.clone()
+def check(native, e, offsets, topk, bits, weight=1.0, device="cpu"):
+    """Pack with both, compare the payloads and residuals; unpack both payloads into the same out, compare.
+    The reference runs on the CPU; ``native`` on ``device``."""
+    want_e, got_e = e.clone(), e.to(device)
     want = R.sparse_pack(want_e, offsets, topk=topk, value_bits=bits)
     got = native.sparse_pack(got_e, offsets, topk=topk, value_bits=bits)
     for name, a, b in zip(("indices", "values", "scales"), got, want):
-        assert same(a, b), f"{name} differs (topk={topk}, bits={bits})"
-    assert same(got_e, want_e), f"residual differs (topk={topk}, bits={bits})"
+        assert same(a.cpu(), b), f"{name} differs (topk={topk}, bits={bits})"
+    assert same(got_e.cpu(), want_e), f"residual differs (topk={topk}, bits={bits})"
     base = torch.randn(e.numel(), generator=torch.Generator().manual_seed(1))
-    want_out, got_out = base.clone(), base.clone()
+    want_out, got_out = base.clone(), base.to(device)
     R.sparse_unpack_accumulate(want_out, offsets, *want, topk=topk, value_bits=bits, weight=weight)
     native.sparse_unpack_accumulate(got_out, offsets, *got, topk=topk, value_bits=bits, weight=weight)
-    assert same(got_out, want_out), f"out after unpack differs (topk={topk}, bits={bits}, weight={weight})"
+    assert same(got_out.cpu(), want_out), f"out after unpack differs (topk={topk}, bits={bits}, weight={weight})"
     return got
 
 
@@ -95,6 +96,16 @@ def test_ties_go_to_the_lower_index_and_zero_chunks_send_zeros(native):
 def test_random_layouts_match_the_reference(native, numels, chunk, topk, bits, seed, weight):
     e = errors(sum(numels), seed, ties=seed % 2 == 0)
     check(native, e, R.chunk_offsets(numels, chunk), topk, bits, weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (gpu_check.py runs the same comparison)")
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_kernels_match_the_reference_bit_for_bit(bits):
+    cuda = ops.load_kernels("native", "cuda")
+    for numels, chunk, topk in [([10, 3, 9000, 5], 4096, 64), ([5000, 4096], 4096, 4096), ([70000], 65536, 700),
+                                ([65536], 65536, 65536), ([1, 1, 2], 3, 2), ([2**20 + 3], 4096, 64)]:
+        e = errors(sum(numels), seed=chunk + topk + bits)
+        check(cuda, e, R.chunk_offsets(numels, chunk), topk, bits, weight=1 / 3, device="cuda")
 
 
 def test_bad_arguments_are_refused_by_name(native):
