@@ -44,7 +44,7 @@ p.add_argument("--tiny", action="store_true", help="tiny model and sizes: a quic
 p.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 300, tiny: 6)")
 p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 8, tiny: 2)")
 p.add_argument("--out", default="gpu_check.json")
-p.add_argument("--skip-pytest", action="store_true", help="do not run tests/test_kernels.py")
+p.add_argument("--skip-pytest", action="store_true", help="do not run the kernel tests")
 p.add_argument("--budget-s", type=float, default=450.0, help="the pytest section gets what is left of this")
 args = p.parse_args()
 os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
@@ -403,7 +403,7 @@ def local_sgd():
 
 section("local_sgd", local_sgd)
 
-# ------------------------------------------------------------------ c (end). tests/test_kernels.py
+# ------------------------------------------------ c (end). tests/test_kernels.py, tests/test_sparse_kernels.py
 
 
 def pytest_section():
@@ -411,13 +411,14 @@ def pytest_section():
         return {"skipped": True}
     timeout = max(60.0, min(300.0, args.budget_s - (time.perf_counter() - T0)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+           "tests/test_sparse_kernels.py"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"skipped": False, "returncode": None, "last_line": f"timed out after {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    log(f"pytest tests/test_kernels.py: {lines[-1] if lines else '(no output)'}")
+    log(f"pytest tests/test_kernels.py tests/test_sparse_kernels.py: {lines[-1] if lines else '(no output)'}")
     return {"skipped": False, "returncode": proc.returncode, "last_line": lines[-1] if lines else None,
             "tail": (proc.stdout + proc.stderr)[-3000:] if proc.returncode else None}
 
@@ -439,7 +440,8 @@ def summary():
     rows.append(("adamw_update vs reference", f"{sum(x['pass'] for x in c.get('cases', []))}/"
                  f"{len(c.get('cases', []))} cases pass", "all", verdict(c.get("all_pass", False))))
     t = S["pytest"]
-    rows.append(("tests/test_kernels.py", "skipped" if t.get("skipped") else str(t.get("last_line")), "passed",
+    rows.append(("tests/test_(sparse_)kernels.py", "skipped" if t.get("skipped") else str(t.get("last_line")),
+                 "passed",
                  "n/a" if t.get("skipped") else verdict(t.get("returncode") == 0)))
     tm = S["timing"].get("rows", [])
     for r in tm:
