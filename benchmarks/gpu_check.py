@@ -14,7 +14,8 @@ msgpack, einops, tqdm, pytest and pytest's `packaging`). The CPU dry run of test
     DS_ACCELERATOR=cpu python benchmarks/gpu_check.py --device cpu --tiny --skip-pytest --out /tmp/x.json
 
 Sections, each guarded (a failure is recorded with its traceback, the next section runs): environment,
-build, correctness, timing, training, local_sgd, pytest, summary. Targets are reported, not enforced:
+build, correctness, timing (both also of the sparse top-k kernels, guarded apart), training, local_sgd,
+pytest, summary. Targets are reported, not enforced:
 fused peek >= 80% of copy bandwidth at 64M elements; ACCO sync tokens/s within 3% of stock ZeRO-1; ACCO
 peak memory <= 1.05 x (stock peak + the estimator's extra bytes). Exit status: 0 when every section
 ran, 1 when one failed, 2 when --device cuda finds no CUDA device.
@@ -43,7 +44,7 @@ p.add_argument("--tiny", action="store_true", help="tiny model and sizes: a quic
 p.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 300, tiny: 6)")
 p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 8, tiny: 2)")
 p.add_argument("--out", default="gpu_check.json")
-p.add_argument("--skip-pytest", action="store_true", help="do not run tests/test_kernels.py")
+p.add_argument("--skip-pytest", action="store_true", help="do not run the kernel tests")
 p.add_argument("--skip-local-sgd", action="store_true", help="leave out the local-SGD section (with one GPU it "
                "runs on CPU/gloo)")
 p.add_argument("--profile", action="store_true", help="profile micro-batches 2-8 after warm-up of every run")
@@ -56,7 +57,8 @@ import torch  # noqa: E402
 import gpu_kernels  # noqa: E402 - benchmarks/ is on sys.path: this script's folder
 import gpu_model  # noqa: E402
 import harness  # noqa: E402
-from gpu_kernels import adam_inputs, rel_err, timeit  # noqa: E402
+from gpu_kernels import adam_inputs, guarded, rel_err, timeit  # noqa: E402
+from gpu_kernels import sparse_correctness, sparse_summary_rows, sparse_timing  # noqa: E402
 from gpu_model import GPT, load_corpus  # noqa: E402
 
 T0 = time.perf_counter()
@@ -147,7 +149,7 @@ def build():
     from acco_ds.ops.builder import BUILDERS
     builder = BUILDERS[DEV]()
     out = {"op": builder.NAME, "compatible": bool(builder.is_compatible()),
-           "aot_built": builder.aot_module() is not None}
+           "aot_built": builder.aot_module() is not None, "sources": [Path(s).name for s in builder.sources()]}
     start = time.perf_counter()
     kernels = ops.load_kernels("native", DEV)  # JIT-builds unless AOT-built; a stale build lock cannot hang it
     out.update(build_s=round(time.perf_counter() - start, 2), loaded=True, kernels=kernels.name)
@@ -190,7 +192,11 @@ def correctness():
                 cases.append({**case, "pass": bool(ok)})
     n_pass = sum(c["pass"] for c in cases)
     log(f"adamw_update ({native.name}) vs reference, {n} elements: {n_pass}/{len(cases)} cases pass")
-    return {"kernels": native.name, "numel": n, "cases": cases, "all_pass": n_pass == len(cases)}
+    sparse = guarded(sparse_correctness, native, DEV, TINY, log)  # sparse outer communication, vs the CPU reference
+    failed = {} if sparse.get("all_pass") else {"ok": False,
+                                                "error": f"sparse kernels: {sparse.get('error', 'differ')}"}
+    return {"kernels": native.name, "numel": n, "cases": cases, "all_pass": n_pass == len(cases), "sparse": sparse,
+            **failed}
 
 
 section("correctness", correctness)
@@ -225,8 +231,10 @@ def timing():
                 f"({row['fused_pct_copy']:3.0f}% of copy) | torch {row['torch_ms']:8.3f} ms "
                 f"({row['torch_pct_copy']:3.0f}%) | {row['torch_ms'] / row['fused_ms']:.1f}x")
         del master, grad, m, v, out
+    sparse = guarded(sparse_timing, native, DEV, TINY, repeats, log)
+    failed = {} if sparse["ok"] else {"ok": False, "error": f"sparse kernels: {sparse['error']}"}
     return {"kernels": native.name, "copy_numel": big, "copy_GBps": copy_bw / 1e9, "repeats": repeats,
-            "timer": "cuda events" if CUDA else "perf_counter", "rows": rows,
+            "timer": "cuda events" if CUDA else "perf_counter", "rows": rows, "sparse": sparse, **failed,
             "pack": "not timed: the pack/unpack kernels were removed in issue 15"}
 
 
@@ -418,7 +426,7 @@ if args.skip_local_sgd:
 else:
     section("local_sgd", local_sgd)
 
-# ------------------------------------------------------------------ c (end). tests/test_kernels.py
+# ------------------------------------------------ c (end). tests/test_kernels.py, tests/test_sparse_kernels.py
 
 
 def pytest_section():
@@ -426,13 +434,14 @@ def pytest_section():
         return {"skipped": True}
     timeout = max(60.0, min(300.0, args.budget_s - (time.perf_counter() - T0)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+           "tests/test_sparse_kernels.py"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"skipped": False, "returncode": None, "last_line": f"timed out after {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    log(f"pytest tests/test_kernels.py: {lines[-1] if lines else '(no output)'}")
+    log(f"pytest tests/test_kernels.py tests/test_sparse_kernels.py: {lines[-1] if lines else '(no output)'}")
     return {"skipped": False, "returncode": proc.returncode, "last_line": lines[-1] if lines else None,
             "tail": (proc.stdout + proc.stderr)[-3000:] if proc.returncode else None}
 
@@ -454,7 +463,8 @@ def summary():
     rows.append(("adamw_update vs reference", f"{sum(x['pass'] for x in c.get('cases', []))}/"
                  f"{len(c.get('cases', []))} cases pass", "all", verdict(c.get("all_pass", False))))
     t = S["pytest"]
-    rows.append(("tests/test_kernels.py", "skipped" if t.get("skipped") else str(t.get("last_line")), "passed",
+    rows.append(("tests/test_(sparse_)kernels.py", "skipped" if t.get("skipped") else str(t.get("last_line")),
+                 "passed",
                  "n/a" if t.get("skipped") else verdict(t.get("returncode") == 0)))
     tm = S["timing"].get("rows", [])
     for r in tm:
@@ -472,6 +482,7 @@ def summary():
     if "peek_speed_vs_fused_pct" in qz:
         rows.append(("peek vs torch fused AdamW", f"{qz['peek_speed_vs_fused_pct']:.0f}% of its speed", ">= 80%",
                      verdict(qz["peek_speed_vs_fused_pct"] >= 80 if CUDA else None)))
+    rows += sparse_summary_rows(S, verdict)
     tr = S["training"]
     runs = tr.get("runs") or {}
     for mode, r in runs.items():

@@ -96,3 +96,106 @@ def quantization(dev, cuda, tiny, log):
     return {"kernels": native.name, "cases": cases, "all_pass": all(c["bit_exact"] for c in cases),
             "copy_GBps": copy_bw / 1e9, "rows": rows, "peek_ms": 1e3 * peek, "torch_fused_adamw_ms": 1e3 * fused,
             "peek_speed_vs_fused_pct": 100 * fused / peek, "numel_adam": m}
+# ------------------------------------------------------------------ sparse outer communication
+SPARSE_LAYOUTS = [([10, 3, 9000, 5], 4096, 64),  # short chunks
+                  ([5000, 4096], 4096, 4096),    # topk == chunk
+                  ([70000], 65536, 700),         # the largest chunk and its tail
+                  ([65536], 65536, 65536),       # the largest chunk, all kept
+                  ([1, 1, 2], 3, 2),
+                  ([2**20 + 3], 4096, 64)]       # many chunks (the production shape)
+
+
+def guarded(fn, *args):
+    """fn's result, or its error and traceback (a failed part of a section is recorded; the rest runs)."""
+    import traceback
+    try:
+        return {"ok": True, **fn(*args)}
+    except Exception as err:  # noqa: BLE001 - every failure is a result here
+        return {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+
+
+def sparse_errors(n, seed):
+    """Error-buffer-like fp32 values with many exact ties, zeros, -0.0 and an all-zero stretch."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    ties = torch.randint(-3, 4, (n,), generator=g).float() * 0.37
+    e = torch.where(torch.rand(n, generator=g) < 0.3, ties, e)
+    e[::13], e[5::17], e[:3] = 0.0, -0.0, 0.0
+    return e
+
+
+def bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8))
+
+
+def sparse_correctness(native, device, tiny, log):
+    """native sparse_pack / sparse_unpack_accumulate on ``device`` vs the reference on the CPU, same data, bit for
+    bit: indices, codes, scales, the residual left in e, and out after unpacking (weight 1/3)."""
+    from acco_ds.ops import reference as R
+    cases = []
+    for numels, chunk, topk in SPARSE_LAYOUTS[:-1] if tiny else SPARSE_LAYOUTS:
+        offsets = R.chunk_offsets(numels, chunk)
+        for bits in (0, 2, 4, 8):
+            e = sparse_errors(sum(numels), len(cases))
+            want_e, got_e = e.clone(), e.to(device)
+            want = R.sparse_pack(want_e, offsets, topk=topk, value_bits=bits)
+            got = native.sparse_pack(got_e, offsets, topk=topk, value_bits=bits)
+            base = torch.randn(e.numel(), generator=torch.Generator().manual_seed(1))
+            want_out, got_out = base.clone(), base.to(device)
+            R.sparse_unpack_accumulate(want_out, offsets, *want, topk=topk, value_bits=bits, weight=1 / 3)
+            native.sparse_unpack_accumulate(got_out, offsets, *got, topk=topk, value_bits=bits, weight=1 / 3)
+            same = {name: bits_equal(a, b) for name, a, b in
+                    zip(("indices", "values", "scales", "residual", "out"), (*got, got_e, got_out),
+                        (*want, want_e, want_out))}
+            cases.append({"numels": numels, "chunk": chunk, "topk": topk, "value_bits": bits, "equal": same,
+                          "pass": all(same.values())})
+    n_pass = sum(c["pass"] for c in cases)
+    log(f"sparse_pack / sparse_unpack_accumulate ({native.name}) vs reference: {n_pass}/{len(cases)} cases bit-exact")
+    return {"cases": cases, "all_pass": n_pass == len(cases)}
+
+
+def sparse_timing(native, device, tiny, repeats, log):
+    """chunk 4096, top 64, 2 bits: native vs the torch path (benchmarks/kernels.py), each against
+    ``dst.copy_(src)`` of the same bytes (pack: the fp32 tensor; unpack: the payload)."""
+    from acco_ds.ops import reference as R
+    from kernels import SPARSE, torch_sparse_pack, torch_sparse_unpack
+    cuda = device == "cuda"
+    chunk, topk, bits = SPARSE["chunk"], SPARSE["topk"], SPARSE["value_bits"]
+    kw = dict(topk=topk, value_bits=bits)
+    rows = []
+    for n in ([2**20] if tiny else [2**26]):
+        offsets = R.chunk_offsets([n], chunk)
+        e, out = torch.randn(n, device=device), torch.zeros(n, device=device)
+        payload = native.sparse_pack(e.clone(), offsets, **kw)
+        ref = torch_sparse_pack(e.clone(), chunk, topk, bits)
+        nbytes = R.sparse_payload_bytes(offsets, topk, bits)
+        e_copy, p_copy = torch.empty_like(e), torch.empty(nbytes, dtype=torch.uint8, device=device)
+        p_src = torch.zeros_like(p_copy)
+        cases = {"sparse_pack": (lambda: native.sparse_pack(e, offsets, **kw),
+                                 lambda: torch_sparse_pack(e, chunk, topk, bits), lambda: e_copy.copy_(e), 4 * n),
+                 "sparse_unpack_accumulate": (
+                     lambda: native.sparse_unpack_accumulate(out, offsets, *payload, **kw, weight=0.5),
+                     lambda: torch_sparse_unpack(out, *ref, chunk, topk, bits, weight=0.5),
+                     lambda: p_copy.copy_(p_src), nbytes)}
+        for name, (fused, torch_path, copy, copy_bytes) in cases.items():
+            t_native, t_torch, t_copy = (timeit(fn, repeats, cuda) for fn in (fused, torch_path, copy))
+            row = {"numel": n, "kernel": name, "native_ms": 1e3 * t_native, "torch_ms": 1e3 * t_torch,
+                   "copy_ms": 1e3 * t_copy, "copy_bytes": copy_bytes, "speedup": t_torch / t_native,
+                   "native_vs_copy": t_copy / t_native}
+            rows.append(row)
+            log(f"{n >> 20}M {name:<24} native {row['native_ms']:8.3f} ms | torch {row['torch_ms']:8.3f} ms "
+                f"({row['speedup']:.1f}x) | copy of {copy_bytes / 2**20:.1f} MiB {row['copy_ms']:.3f} ms")
+    return {"chunk": chunk, "topk": topk, "value_bits": bits, "rows": rows}
+
+
+def sparse_summary_rows(sections, verdict):
+    """The summary's rows of the sparse kernels: (check, result, target, verdict)."""
+    c = sections["correctness"].get("sparse") or {}
+    rows = [("sparse kernels vs reference", f"{sum(x['pass'] for x in c.get('cases', []))}/{len(c.get('cases', []))}"
+             f" cases bit-exact" if c.get("ok") else f"FAILED: {c.get('error')}", "all",
+             verdict(c.get("all_pass", False)))]
+    for r in (sections["timing"].get("sparse") or {}).get("rows", []):
+        rows.append((f"{r['kernel']} @ {r['numel'] / 2**20:g}M", f"{r['native_ms']:.3f} ms, {r['speedup']:.1f}x torch, "
+                     f"{100 * r['native_vs_copy']:.0f}% of a copy of {r['copy_bytes'] / 2**20:.1f} MiB", "-", "n/a"))
+    return rows

@@ -37,6 +37,17 @@ of the same size (reads and writes 8 bytes per element):
 It reports time (median), GB/s (those bytes / time) and the ratio to the copy's
 GB/s at that size. Results: ``benchmarks/results/kernels_quant_<device>.json``
 and ``.md`` (``--out`` names the adam file; the quant file goes next to it).
+
+Section ``sparse`` (sparse outer communication; 64M elements by default, 64M and
+256M on GPU), chunks of 4096, top 64 per chunk, 2-bit values: the native
+``sparse_pack`` (select, quantize, pack, residual in one pass per chunk) and
+``sparse_unpack_accumulate`` vs the torch path a user would write: ``torch.topk``
+of ``|e|`` on a [chunks, 4096] view, the kept indices sorted, quantized and packed
+4 codes a byte with torch ops, the residual scattered back; unpack: codes shifted
+out, levels, ``scatter_add_``. Before timing, both paths pack the same data and
+their indices, codes and residuals are compared (equal on these tie-free values).
+Also timed: ``dst.copy_(src)`` of the fp32 tensor. Results:
+``benchmarks/results/kernels_sparse_<device>.json`` and ``.md``.
 """
 
 import argparse
@@ -129,8 +140,9 @@ def main():
     p.add_argument("--sizes", default=None,
                    help="comma-separated element counts, e.g. 1M,4M,64M, for both sections (default: adam 1M..64M, "
                         "quant 1M..16M on CPU; 1M..256M on GPU)")
-    p.add_argument("--section", default="all", choices=["all", "adam", "quant"],
-                   help="adam: the AdamW kernels; quant: quantize_pack / dequantize_accumulate; all: both")
+    p.add_argument("--section", default="all", choices=["all", "adam", "quant", "sparse"],
+                   help="adam: the AdamW kernels; quant: quantize_pack / dequantize_accumulate; sparse: sparse_pack / "
+                        "sparse_unpack_accumulate; all: the three")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch and the op's OpenMP)")
     p.add_argument("--out", default=None, help="results file, .json or .csv (default: "
@@ -160,6 +172,10 @@ def main():
                        .split(",")]
         quant_section(args, dev, threads, quant_sizes, native, command,
                       path.with_name(f"{path.stem.replace('kernels', 'kernels_quant', 1)}{path.suffix}"))
+    if args.section in ("all", "sparse"):
+        sparse_sizes = [parse_size(s) for s in (args.sizes or ("64M,256M" if dev == "cuda" else "64M")).split(",")]
+        sparse_section(args, dev, threads, sparse_sizes, native, command,
+                       path.with_name(f"{path.stem.replace('kernels', 'kernels_sparse', 1)}{path.suffix}"))
 
 
 def write_results(path, rows, text, meta):
@@ -288,6 +304,97 @@ def quant_section(args, dev, threads, sizes, native, command, path):
     text = header + "\n\n" + "\n".join(table) + "\n"
     print("\n" + text)
     write_results(path, rows, text, {"machine": machine(dev, threads), "command": command, "block_size": block,
+                                     "repeats": args.repeats, "kernels": native.name})
+
+
+SPARSE = dict(chunk=4096, topk=64, value_bits=2)
+
+
+def torch_sparse_pack(e, chunk, topk, value_bits):
+    """The torch path: top-k of |e| per chunk (a [chunks, chunk] view), quantize, pack 8 // b codes a byte,
+    residual e[kept] -= q. (torch.topk orders ties as it likes: the contract's tie rule is not kept here.)"""
+    import torch
+    rows = e.view(-1, chunk)
+    idx = rows.abs().topk(topk, dim=1, sorted=False).indices.sort(dim=1).values
+    v = rows.gather(1, idx)
+    m = v.abs().amax(dim=1, keepdim=True)
+    top = float(2**value_bits - 1)
+    codes = ((v / m + 1.0) * (0.5 * top)).round_().clamp_(0, top)
+    rows.scatter_(1, idx, v - m * ((2.0 * codes) / top - 1.0))
+    per_byte = 8 // value_bits
+    shifts = torch.arange(0, 8, value_bits, dtype=torch.uint8, device=e.device)
+    packed = (codes.to(torch.uint8).view(rows.shape[0], -1, per_byte) << shifts).sum(dim=2, dtype=torch.uint8)
+    return idx.to(torch.int16).view(-1), packed.view(-1), m.view(-1)
+
+
+def torch_sparse_unpack(out, indices, values, scales, chunk, topk, value_bits, weight=1.0):
+    import torch
+    shifts = torch.arange(0, 8, value_bits, dtype=torch.uint8, device=out.device)
+    codes = ((values.view(-1, topk * value_bits // 8, 1) >> shifts) & (2**value_bits - 1)).view(-1, topk)
+    m = scales.view(-1, 1)
+    q = m * ((2.0 * codes.float()) / float(2**value_bits - 1) - 1.0)
+    out.view(-1, chunk).scatter_add_(1, indices.view(-1, topk).long(), q * weight)
+
+
+def sparse_section(args, dev, threads, sizes, native, command, path):
+    """sparse_pack / sparse_unpack_accumulate (chunk 4096, top 64, 2 bits), native vs the torch path."""
+    import torch
+    from acco_ds.ops import reference
+
+    chunk, topk, bits = SPARSE["chunk"], SPARSE["topk"], SPARSE["value_bits"]
+    kw = dict(topk=topk, value_bits=bits)
+    rows = []
+    for n in sizes:
+        n -= n % chunk
+        offsets = reference.chunk_offsets([n], chunk).to(dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        e = torch.randn(n, device=dev, generator=g)
+        # The same work: both paths pack the same data to the same payload and residual.
+        e_native, e_torch = e.clone(), e.clone()
+        got = native.sparse_pack(e_native, offsets, **kw)
+        want = torch_sparse_pack(e_torch, chunk, topk, bits)
+        agree = all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(e_native, e_torch)
+        if not agree:
+            raise RuntimeError("the native and torch sparse packs differ on tie-free data: fix before timing")
+        del e_native, e_torch
+        out = torch.zeros(n, device=dev)
+        cases = {
+            "sparse_pack": (lambda: native.sparse_pack(e, offsets, **kw),
+                            lambda: torch_sparse_pack(e, chunk, topk, bits)),
+            "sparse_unpack_accumulate": (
+                lambda: native.sparse_unpack_accumulate(out, offsets, *got, **kw, weight=0.5),
+                lambda: torch_sparse_unpack(out, *want, chunk, topk, bits, weight=0.5)),
+        }
+        copy_s = copy_time(n, dev, args.repeats)
+        payload = reference.sparse_payload_bytes(offsets.cpu(), topk, bits)
+        rows.append({"size": n, "kernel": "copy", "copy_ms": 1e3 * copy_s})
+        print(f"{n / 2**20:6.0f}M copy                     {1e3 * copy_s:9.2f} ms", flush=True)
+        for name, (fused, unfused) in cases.items():
+            row = {"size": n, "kernel": name, "payload_bytes": payload, "copy_ms": 1e3 * copy_s}
+            for variant, fn in (("native", fused), ("torch", unfused)):
+                t = timeit(fn, dev, args.repeats)
+                row[f"{variant}_ms"] = 1e3 * t
+                row[f"{variant}_elements_per_s"] = n / t
+                row[f"{variant}_extra_MB"] = extra_memory(fn, dev) / 2**20
+            rows.append(row)
+            print(f"{n / 2**20:6.0f}M {name:<24} native {row['native_ms']:9.2f} ms | torch {row['torch_ms']:9.2f} ms "
+                  f"| {row['torch_ms'] / row['native_ms']:.1f}x", flush=True)
+
+    header = (f"{machine(dev, threads)}; kernels {native.name}; median of {args.repeats}; chunk {chunk}, top {topk}, "
+              f"{bits}-bit values (payload {payload / n:.4f} B/element). Before timing, the native and torch packs "
+              f"gave the same indices, codes, scales and residual.\nCommand: `{command}`")
+    table = ["| size | kernel | native ms | torch ms | speedup | copy ms | native Melem/s | extra MB native / torch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kernel"] == "copy":
+            continue
+        table.append(f"| {r['size'] / 2**20:g}M | {r['kernel']} | {r['native_ms']:.2f} | {r['torch_ms']:.2f} | "
+                     f"{r['torch_ms'] / r['native_ms']:.1f}x | {r['copy_ms']:.2f} | "
+                     f"{r['native_elements_per_s'] / 1e6:.0f} | "
+                     f"{r['native_extra_MB']:.0f} / {r['torch_extra_MB']:.0f} |")
+    text = header + "\n\n" + "\n".join(table) + "\n"
+    print("\n" + text)
+    write_results(path, rows, text, {"machine": machine(dev, threads), "command": command, **SPARSE,
                                      "repeats": args.repeats, "kernels": native.name})
 
 

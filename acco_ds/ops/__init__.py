@@ -7,6 +7,10 @@
   fp8 e4m3 values, store the new residual.
 * ``dequantize_accumulate``: ``out += q * scale`` per block (the receiver's
   fp32 sum, or an update applied to bit16 parameters).
+* ``sparse_pack`` / ``sparse_unpack_accumulate``: sparse outer communication
+  (sparseloco): per chunk the top-k entries of the error buffer, quantized to
+  2/4/8-bit levels and packed with 16-bit indices, the residual left in the
+  buffer; and the receiver's ``out[kept] += q * weight``.
 
 (A multi-tensor pack/unpack kernel existed until 0.2: the engine never needed
 it, since backward hooks add each gradient straight into the flat
@@ -38,9 +42,11 @@ class Kernels:
     """One implementation of the ops: ``name`` says which."""
 
     def __init__(self, name, adamw_update, quantize_pack=reference.quantize_pack,
-                 dequantize_accumulate=reference.dequantize_accumulate):
+                 dequantize_accumulate=reference.dequantize_accumulate, sparse_pack=reference.sparse_pack,
+                 sparse_unpack_accumulate=reference.sparse_unpack_accumulate):
         self.name, self._adamw_update = name, adamw_update
         self.quantize_pack, self.dequantize_accumulate = quantize_pack, dequantize_accumulate
+        self.sparse_pack, self.sparse_unpack_accumulate = sparse_pack, sparse_unpack_accumulate
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
@@ -83,7 +89,8 @@ def load_native(device_type: str = "cpu", jit: bool = True):
 
 def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
     module = load_native(device_type, jit)
-    missing = [name for name in ("adamw_update", "quantize_pack", "dequantize_accumulate") if not hasattr(module, name)]
+    missing = [name for name in ("adamw_update", "quantize_pack", "dequantize_accumulate", "sparse_pack",
+                                 "sparse_unpack_accumulate") if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"the {device_type} op module {getattr(module, '__file__', module)} has no "
                            f"{', '.join(missing)}: it was built from older sources. Rebuild it "
@@ -101,7 +108,15 @@ def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
     def dequantize_accumulate(q, scales, out, *, block_size):
         module.dequantize_accumulate(q, scales, out, int(block_size))
 
-    return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate)
+    def sparse_pack(e, offsets, *, topk, value_bits):
+        return module.sparse_pack(e, offsets, int(topk), int(value_bits))
+
+    def sparse_unpack_accumulate(out, offsets, indices, values, scales, *, topk, value_bits, weight=1.0):
+        module.sparse_unpack_accumulate(out, offsets, indices, values, scales, int(topk), int(value_bits),
+                                        float(weight))
+
+    return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate, sparse_pack,
+                   sparse_unpack_accumulate)
 
 
 def load_kernels(kernels: str = "auto", device="cpu", jit: Optional[bool] = None) -> Kernels:

@@ -138,7 +138,8 @@ class AccoCPUOpBuilder(_AccoOpBuilder, CPUOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [str(csrc_dir() / "bindings" / "acco_cpu_ops.cpp"), str(csrc_dir() / "cpu" / "acco_cpu.cpp")]
+        return [str(csrc_dir() / "bindings" / "acco_cpu_ops.cpp"), str(csrc_dir() / "cpu" / "acco_cpu.cpp"),
+                str(csrc_dir() / "cpu" / "acco_sparse_cpu.cpp")]
 
     def cxx_args(self):
         # -ffp-contract=off: fuse no multiply-add that torch does not fuse (bit-exact m, v).
@@ -154,7 +155,8 @@ class AccoCUDAOpBuilder(_AccoOpBuilder, CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [str(csrc_dir() / "bindings" / "acco_cuda_ops.cpp"), str(csrc_dir() / "cuda" / "acco_cuda_kernels.cu")]
+        return [str(csrc_dir() / "bindings" / "acco_cuda_ops.cpp"), str(csrc_dir() / "cuda" / "acco_cuda_kernels.cu"),
+                str(csrc_dir() / "cuda" / "acco_sparse_kernels.cu")]
 
     def nvcc_args(self):
         # DeepSpeed builds with --use_fast_math (approximate sqrt and division, flushed

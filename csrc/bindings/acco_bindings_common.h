@@ -3,9 +3,11 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "../acco_common.h"
+#include "../acco_sparse.h"
 
 namespace acco {
 namespace bindings {
@@ -77,6 +79,74 @@ inline void check_quant_args(const torch::Tensor& x, const char* x_name, const s
     TORCH_CHECK(residual->device() == x.device(), "residual must be on ", x_name, "'s device ", x.device(),
                 ", got ", residual->device());
   }
+}
+
+
+// ------------------------------------------------------------------ sparse outer communication
+// The layout of one replica's payload (reference.sparse_layout), computed on the host from the chunk offsets:
+// table rows 0, 1, 2 = offsets, entry_starts, byte_starts (chunks + 1 each), int64 on the CPU.
+struct SparseLayout {
+  torch::Tensor table;
+  int64_t chunks = 0, entries = 0, bytes = 0;
+};
+
+inline SparseLayout sparse_layout(const torch::Tensor& offsets, int64_t numel, int64_t topk, int64_t value_bits) {
+  TORCH_CHECK(value_bits == 0 || value_bits == 2 || value_bits == 4 || value_bits == 8,
+              "value_bits must be one of 2, 4, 8 or 0 (fp32 values), got ", value_bits);
+  TORCH_CHECK(topk >= 0, "topk must be >= 0, got ", topk);
+  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 && offsets.numel() >= 1,
+              "offsets must be a 1-D int64 tensor of chunks + 1 bounds (reference.chunk_offsets), got ",
+              offsets.scalar_type(), " of shape ", offsets.sizes());
+  const torch::Tensor host = offsets.to(torch::kCPU).contiguous();
+  const int64_t chunks = host.numel() - 1;
+  SparseLayout layout;
+  layout.chunks = chunks;
+  layout.table = torch::empty({3, chunks + 1}, torch::kInt64);
+  const int64_t* off = host.data_ptr<int64_t>();
+  int64_t* out = layout.table.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] >= 0 && off[chunks] <= numel, "offsets must lie in [0, ", numel, "] (the tensor's elements), got ",
+              off[0], " .. ", off[chunks]);
+  out[chunks + 1] = out[2 * (chunks + 1)] = 0;
+  for (int64_t c = 0; c <= chunks; ++c) {
+    out[c] = off[c];
+    if (c == chunks) break;
+    const int64_t len = off[c + 1] - off[c];
+    TORCH_CHECK(len >= 0 && len <= kMaxSparseChunk, "chunk ", c, " has ", len, " elements (offsets ", off[c], ", ",
+                off[c + 1], "): chunks must hold 0 to ", kMaxSparseChunk, " elements (indices travel as 16 bits)");
+    const int64_t kept = std::min(len, topk);
+    out[chunks + 1 + c + 1] = out[chunks + 1 + c] + kept;
+    out[2 * (chunks + 1) + c + 1] = out[2 * (chunks + 1) + c] + (value_bits ? (kept * value_bits + 7) / 8 : 4 * kept);
+  }
+  layout.entries = out[2 * chunks + 1];
+  layout.bytes = out[3 * chunks + 2];
+  return layout;
+}
+
+inline void check_sparse_tensor(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t numel,
+                                const torch::Tensor& like, torch::DeviceType device) {
+  check_flat(t, name, device);
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, the layout of these offsets, topk and "
+              "value_bits needs ", numel);
+}
+
+// sparse_unpack_accumulate's payload against the layout its offsets, topk and value_bits give.
+inline void check_sparse_payload(const torch::Tensor& out, const torch::Tensor& indices, const torch::Tensor& values,
+                                 const torch::Tensor& scales, const SparseLayout& layout, int64_t value_bits,
+                                 torch::DeviceType device) {
+  check_sparse_tensor(indices, "indices", torch::kInt16, layout.entries, out, device);
+  if (value_bits) {
+    check_sparse_tensor(values, "values", torch::kUInt8, layout.bytes, out, device);
+    check_sparse_tensor(scales, "scales", torch::kFloat32, layout.chunks, out, device);
+  } else {
+    check_sparse_tensor(values, "values", torch::kFloat32, layout.entries, out, device);
+  }
+}
+
+inline void check_sparse_flat(const torch::Tensor& t, const char* name, torch::DeviceType device) {
+  check_flat(t, name, device);
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
 }
 
 }  // namespace bindings

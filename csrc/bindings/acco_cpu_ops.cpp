@@ -35,10 +35,43 @@ void dequantize_accumulate(torch::Tensor q, torch::Tensor scales, torch::Tensor 
                                     out.numel(), block_size);
 }
 
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_pack(torch::Tensor e, torch::Tensor offsets, int64_t topk,
+                                                                    int64_t value_bits) {
+  acco::bindings::check_sparse_flat(e, "e", torch::kCPU);
+  const auto layout = acco::bindings::sparse_layout(offsets, e.numel(), topk, value_bits);
+  const auto opts = e.options();
+  torch::Tensor indices = torch::empty({layout.entries}, opts.dtype(torch::kInt16));
+  torch::Tensor values = value_bits ? torch::zeros({layout.bytes}, opts.dtype(torch::kUInt8))  // codes are ORed in
+                                    : torch::empty({layout.entries}, opts);
+  torch::Tensor scales = torch::empty({value_bits ? layout.chunks : 0}, opts);
+  const int64_t* t = layout.table.data_ptr<int64_t>();
+  const int64_t row = layout.chunks + 1;
+  acco::cpu::sparse_pack(e.data_ptr<float>(), t, t + row, t + 2 * row, layout.chunks, topk,
+                         static_cast<int>(value_bits), indices.data_ptr<int16_t>(), values.data_ptr(),
+                         scales.data_ptr<float>());
+  return {indices, values, scales};
+}
+
+void sparse_unpack_accumulate(torch::Tensor out, torch::Tensor offsets, torch::Tensor indices, torch::Tensor values,
+                              torch::Tensor scales, int64_t topk, int64_t value_bits, double weight) {
+  acco::bindings::check_sparse_flat(out, "out", torch::kCPU);
+  const auto layout = acco::bindings::sparse_layout(offsets, out.numel(), topk, value_bits);
+  acco::bindings::check_sparse_payload(out, indices, values, scales, layout, value_bits, torch::kCPU);
+  const int64_t* t = layout.table.data_ptr<int64_t>();
+  const int64_t row = layout.chunks + 1;
+  const int64_t bad = acco::cpu::sparse_unpack_accumulate(
+      out.data_ptr<float>(), t, t + row, t + 2 * row, layout.chunks, indices.data_ptr<int16_t>(), values.data_ptr(),
+      value_bits ? scales.data_ptr<float>() : nullptr, static_cast<int>(value_bits), static_cast<float>(weight));
+  TORCH_CHECK(bad == 0, bad, " indices point past the end of their chunk: the payload does not belong to these "
+              "offsets (the other ", layout.entries - bad, " entries were added to out)");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_update", &adamw_update, "Fused AdamW update of a flat fp32 shard (peek or commit) (CPU)");
   m.def("quantize_pack", &quantize_pack, "Block quantization with error feedback: x (+ residual) -> q, scales (CPU)");
   m.def("dequantize_accumulate", &dequantize_accumulate, "out += q * scale per block (CPU)");
+  m.def("sparse_pack", &sparse_pack, "Chunked top-k, quantize, pack; e[kept] -= q (CPU)");
+  m.def("sparse_unpack_accumulate", &sparse_unpack_accumulate, "out[kept] += q * weight (CPU)");
 }

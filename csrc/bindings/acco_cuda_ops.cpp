@@ -45,10 +45,48 @@ void dequantize_accumulate(torch::Tensor q, torch::Tensor scales, torch::Tensor 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_pack(torch::Tensor e, torch::Tensor offsets, int64_t topk,
+                                                                    int64_t value_bits) {
+  acco::bindings::check_sparse_flat(e, "e", torch::kCUDA);
+  const c10::cuda::CUDAGuard guard(e.device());
+  const auto layout = acco::bindings::sparse_layout(offsets, e.numel(), topk, value_bits);
+  const torch::Tensor table = layout.table.to(e.device());
+  const auto opts = e.options();
+  torch::Tensor indices = torch::empty({layout.entries}, opts.dtype(torch::kInt16));
+  torch::Tensor values;
+  if (value_bits) {  // zeroed and padded to whole 32-bit words: the kernel ORs each code into its word
+    values = torch::zeros({(layout.bytes + 3) / 4 * 4}, opts.dtype(torch::kUInt8)).narrow(0, 0, layout.bytes);
+  } else {
+    values = torch::empty({layout.entries}, opts);
+  }
+  torch::Tensor scales = torch::empty({value_bits ? layout.chunks : 0}, opts);
+  acco::cuda::sparse_pack(e.data_ptr<float>(), table.data_ptr<int64_t>(), layout.chunks, topk,
+                          static_cast<int>(value_bits), indices.data_ptr<int16_t>(), values.data_ptr(),
+                          scales.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {indices, values, scales};
+}
+
+void sparse_unpack_accumulate(torch::Tensor out, torch::Tensor offsets, torch::Tensor indices, torch::Tensor values,
+                              torch::Tensor scales, int64_t topk, int64_t value_bits, double weight) {
+  acco::bindings::check_sparse_flat(out, "out", torch::kCUDA);
+  const c10::cuda::CUDAGuard guard(out.device());
+  const auto layout = acco::bindings::sparse_layout(offsets, out.numel(), topk, value_bits);
+  acco::bindings::check_sparse_payload(out, indices, values, scales, layout, value_bits, torch::kCUDA);
+  const torch::Tensor table = layout.table.to(out.device());
+  acco::cuda::sparse_unpack_accumulate(out.data_ptr<float>(), table.data_ptr<int64_t>(), layout.chunks,
+                                       indices.data_ptr<int16_t>(), values.data_ptr(),
+                                       value_bits ? scales.data_ptr<float>() : nullptr, static_cast<int>(value_bits),
+                                       static_cast<float>(weight), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_update", &adamw_update, "Fused AdamW update of a flat fp32 shard (peek or commit) (CUDA)");
   m.def("quantize_pack", &quantize_pack, "Block quantization with error feedback: x (+ residual) -> q, scales (CUDA)");
   m.def("dequantize_accumulate", &dequantize_accumulate, "out += q * scale per block (CUDA)");
+  m.def("sparse_pack", &sparse_pack, "Chunked top-k, quantize, pack; e[kept] -= q (CUDA)");
+  m.def("sparse_unpack_accumulate", &sparse_unpack_accumulate, "out[kept] += q * weight (CUDA)");
 }

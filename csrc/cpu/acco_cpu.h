@@ -26,3 +26,22 @@ void dequantize_accumulate(const uint8_t* q, int q_type, const float* scales, vo
 
 }  // namespace cpu
 }  // namespace acco
+
+namespace acco {
+namespace cpu {
+
+// Sparse outer communication (reference: acco_ds/ops/reference.py sparse_pack, sparse_unpack_accumulate).
+// Chunk c is e[offsets[c], offsets[c+1]); entry_starts / byte_starts (chunks + 1 each) place its kept entries
+// in `indices` and its codes in `values` (reference.sparse_layout). value_bits 2/4/8: `values` is uint8 and
+// must be zeroed (codes are ORed in), `scales` one fp32 per chunk; 0: `values` is fp32, `scales` unused.
+// e[kept] -= q in place.
+void sparse_pack(float* e, const int64_t* offsets, const int64_t* entry_starts, const int64_t* byte_starts,
+                 int64_t chunks, int64_t topk, int value_bits, int16_t* indices, void* values, float* scales);
+
+// out[kept] += q * weight. Returns the number of indices outside their chunk (those are not applied).
+int64_t sparse_unpack_accumulate(float* out, const int64_t* offsets, const int64_t* entry_starts,
+                                 const int64_t* byte_starts, int64_t chunks, const int16_t* indices,
+                                 const void* values, const float* scales, int value_bits, float weight);
+
+}  // namespace cpu
+}  // namespace acco
