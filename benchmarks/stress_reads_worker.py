@@ -54,7 +54,8 @@ def config(seed):
             "emulation": {"comm_delay_s": rng.choice([0.0, 0.005, 0.02]), "slow_rank": rng.randrange(WORLD),
                           "slow_factor": rng.choice([1.0, 2.0, 4.0])}}
     if SPEC["accumulation"] == "adaptive":
-        acco["max_micro_batches_per_round"] = rng.choice([3, 6, 8])
+        low = GAS // 2 if SPEC["mode"] == "acco" else GAS  # micro-batches per round (the minimum)
+        acco["max_micro_batches_per_round"] = rng.choice([low + 1, 2 * low, 4 * low])
     acco.update(SPEC.get("acco", {}))  # a scenario's fixed settings (the issue's: no emulation)
     if SPEC.get("int8"):
         acco["compression"] = {"dtype": "int8", "apply_to": ["rounds"]}
