@@ -255,7 +255,7 @@ def test_quick_commands_run_as_written(command):
 def test_example_launch_runs_as_written(command):
     # as written, but on a free port: other launches may hold the launcher's default 29500
     launch = re.sub(r"(--num_gpus \d+) ", rf"\1 --master_port {dist.free_port()} ", command, count=1)
-    out = dist.run_in_session(["bash", "-c", launch], timeout=240, env=command_env())
+    out = dist.run_in_session(["bash", "-c", launch], timeout=400, env=command_env())
     text = out.stdout + out.stderr
     assert RUN_LAUNCH[command] in text, text[-3000:]
     start, end = (float(x) for x in re.search(r"val loss\s*: ([\d.]+) -> ([\d.]+)", text).groups())
