@@ -50,13 +50,13 @@ HAND_CHECKED = {
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 4 examples/train_gpt.py "
     "--deepspeed_config configs/co2_cpu.json --steps 24": "2026-11-26: exit 0, val loss 5.478 -> 3.284, outer communication 100% hidden",
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 4 examples/train_gpt.py "
-    "--deepspeed_config configs/edit_cpu.json --steps 24": "2026-11-26, exit 0 and the summary",
+    "--deepspeed_config configs/edit_cpu.json --steps 24": "2026-11-26: exit 0, val loss 5.478 -> 3.195",
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 4 examples/train_gpt.py "
-    "--deepspeed_config configs/a_edit_cpu.json --syncs 4": "2026-11-26, exit 0 and the summary",
+    "--deepspeed_config configs/a_edit_cpu.json --syncs 4": "2026-11-26: exit 0, 4 syncs, val loss 5.478 -> 3.709 (periods of 3 s wall time: fewer inner steps on the loaded machine than the page's 3.218)",
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 4 examples/train_gpt.py "
-    "--deepspeed_config configs/streaming_diloco_cpu.json --steps 24": "2026-11-26, exit 0 and the summary",
+    "--deepspeed_config configs/streaming_diloco_cpu.json --steps 24": "2026-11-26: exit 0, val loss 5.478 -> 3.236, 6 fragment syncs",
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 examples/train_gpt.py "
-    "--deepspeed_config configs/acco_cpu_int8.json --steps 20": "2026-11-26, exit 0 and the summary",
+    "--deepspeed_config configs/acco_cpu_int8.json --steps 20": "2026-11-26: exit 0, val loss 5.478 -> 3.278",
     "OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 4 examples/fsdp2_train_gpt.py "
     "--config configs/fsdp2_diloco_cpu.json --fsdp --steps 16": "2026-11-26, exit 0 and the summary",
 }
