@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STEPS  ?= 60
 
-.PHONY: install demo test test-fast bench-kernels bench-cluster clean
+.PHONY: install demo test test-fast docs bench-kernels bench-cluster clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -m "not slow" tests
 
+# The documentation site into site/: the config reference regenerated from the pydantic models first.
+docs: $(STAMP)
+	$(BIN)/python -m acco_ds.config_doc
+	$(BIN)/mkdocs build --strict
+
 bench-kernels: $(STAMP)
 	$(BIN)/python benchmarks/kernels.py
 
@@ -48,4 +53,4 @@ bench-cluster: $(STAMP)
 	$(BIN)/python benchmarks/cluster.py all --repeats 3
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site
