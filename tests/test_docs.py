@@ -31,6 +31,8 @@ PAGES_WITH_COMMANDS = ("README.md", "docs/getting-started.md")
 # Run by test_quick_commands_run_as_written / test_example_launch_runs_as_written: command -> what its
 # output must show.
 RUN = {
+    "acco-ds plan --params 7e9 --tokens-per-step 4e6 --nodes 4 --ranks-per-node 8 --rank-flops 4e14 "
+    "--inter-bandwidth 10gbit": "recommended:",
     "acco-ds report": "DeepSpeed internals  ok",
     "python -m acco_ds.ops": "acco_cpu_ops",
     "acco-ds memory --params 7e9 --gpus 8 --dtype bf16": "GB",
@@ -62,10 +64,7 @@ HAND_CHECKED = {
 }
 # Commands of features on other branches (acco-ds plan: issue 47; sparseloco: issue 46). At the merge, the
 # lead runs each and moves it to RUN (quick) or HAND_CHECKED (with the date).
-PENDING_MERGE = {
-    "acco-ds plan --params 7e9 --tokens-per-step 4e6 --nodes 4 --ranks-per-node 8 --rank-flops 4e14 "
-    "--inter-bandwidth 10gbit": "issue 47 (acco-ds plan)",
-}
+PENDING_MERGE = {}
 
 
 def shown_commands(page: str) -> list:
