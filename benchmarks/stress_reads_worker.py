@@ -75,6 +75,7 @@ class DeepSpeedTrial:
     def __init__(self, cfg):
         import acco_ds
         self.engine, *_ = acco_ds.initialize(model=model(), config=cfg)
+        self.net = self.engine  # what eval() and a forward go through
         self.micro = 0
 
     def train(self, n):
@@ -84,11 +85,11 @@ class DeepSpeedTrial:
             self.micro += 1
 
     def eval_read(self):
-        self.engine.eval()
+        self.net.eval()
         with torch.no_grad():
-            loss = loss_of(self.engine, 10**6).detach()
+            loss = loss_of(self.net, 10**6).detach()
         dist.all_reduce(loss)
-        self.engine.train()
+        self.net.train()
 
     def state_dict(self):
         return self.engine.module.state_dict()
@@ -117,13 +118,6 @@ class TorchTrial(DeepSpeedTrial):
             if self.micro % GAS == 0:
                 self.opt.step()
                 self.opt.zero_grad()
-
-    def eval_read(self):
-        self.net.eval()
-        with torch.no_grad():
-            loss = loss_of(self.net, 10**6).detach()
-        dist.all_reduce(loss)
-        self.net.train()
 
     def state_dict(self):
         with self.opt.committed_weights():
