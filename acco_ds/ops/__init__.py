@@ -38,9 +38,12 @@ class Kernels:
     """One implementation of the ops: ``name`` says which."""
 
     def __init__(self, name, adamw_update, quantize_pack=reference.quantize_pack,
-                 dequantize_accumulate=reference.dequantize_accumulate):
+                 dequantize_accumulate=reference.dequantize_accumulate, sparse_pack=reference.sparse_pack,
+                 sparse_unpack_accumulate=reference.sparse_unpack_accumulate):
         self.name, self._adamw_update = name, adamw_update
         self.quantize_pack, self.dequantize_accumulate = quantize_pack, dequantize_accumulate
+        # sparseloco's chunked top-k + levels + pack, and unpack + accumulate (reference.sparse_pack's contract)
+        self.sparse_pack, self.sparse_unpack_accumulate = sparse_pack, sparse_unpack_accumulate
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
