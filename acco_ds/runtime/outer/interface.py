@@ -214,6 +214,7 @@ OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
     "diloco": "acco_ds.runtime.outer.streaming:build",  # Streaming DiLoCo when its keys are set
     "co2": "acco_ds.runtime.outer.co2:CO2",
     "edit": "acco_ds.runtime.outer.edit:EDiT",
+    "sparseloco": "acco_ds.runtime.outer.sparseloco:SparseLoCo",
 }
 
 
