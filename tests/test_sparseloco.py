@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from acco_ds.config import parse_acco_config
+from acco_ds.config import LocalSGDConfig, parse_acco_config
 from acco_ds.ops.reference import chunk_offsets, sparse_payload_bytes
 from acco_ds.runtime.outer.chunks import chunk_plan
 from acco_ds.testing.sparseloco import simulate_sparseloco
@@ -109,6 +109,21 @@ def test_bad_sparseloco_keys_are_refused_by_name(local_sgd, needle):
     assert needle in str(err.value), str(err.value)
 
 
+def test_tensor_parallelism_and_fsdp2_are_refused_by_name():
+    """The loop refuses, before any collective, a host without flat buffers (the torch host's FSDP2) and a
+    replica with a model-parallel group (tensor parallelism: the DeepSpeed host sets ``model_main``)."""
+    from acco_ds.runtime.outer.interface import ReplicaGroups, Shards, build_outer_loop
+    acco = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
+    groups = ReplicaGroups(1, 2, 0, 0, [0], [0, 1], None, None, None, None)
+    fsdp2 = Shards([torch.zeros(4)], None, lambda: None, [[(torch.zeros(4), 0)]])
+    with pytest.raises(ValueError, match=r'"sparseloco" does not support the torch host \(FSDP2\) yet'):
+        build_outer_loop(acco, fsdp2, groups)
+    groups.model_main = object()
+    zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(torch.zeros(4), 0)]])
+    with pytest.raises(ValueError, match='"sparseloco" does not support tensor parallelism yet: a tensor-parallel'):
+        build_outer_loop(acco, zero1, groups)
+
+
 def test_sparseloco_keys_elsewhere_and_what_it_does_not_run_with_are_refused():
     for acco, needle in [
             ({"mode": "diloco", "local_sgd": {"topk": 8}}, 'acco.local_sgd.topk is SparseLoCo\'s: it applies to mode '
@@ -121,7 +136,7 @@ def test_sparseloco_keys_elsewhere_and_what_it_does_not_run_with_are_refused():
             parse_acco_config({"acco": {"enabled": True, **acco}})
         assert needle in str(err.value), str(err.value)
     defaults = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
-    ls = defaults.local_sgd or type(defaults).model_fields["local_sgd"].annotation.__args__[0]()
+    ls = defaults.local_sgd or LocalSGDConfig()
     assert (ls.chunk, ls.topk, ls.error_decay, ls.value_bits, defaults.outer["outer_lr"]) == (4096, 64, 0.95, 2, 1.0)
 
 
@@ -136,13 +151,28 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
     runs = [dict(config=common.ds_config(acco=block(2, **c), gas=GAS), steps=STEPS, record_committed=True)
             for c in cases]
     runs += [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]
+    # refused by name: pipeline parallelism (2 stages x 2 data-parallel ranks, replicas of 1)
+    runs.append(dict(config=common.ds_config(acco=block(1), gas=GAS), steps=1, pipe=2, init_error=True))
     results = launch({"runs": runs}, world_size=4, timeout=400)
     check_against_simulator(results, 4, 2, cases)
+    for rank in range(4):
+        assert 'acco.mode "sparseloco" does not support pipeline parallelism yet (2 stages)' in \
+            results[rank][-1]["init_error"], results[rank][-1]
+    # and resharded: the same checkpoint into 4 replicas of 1 rank; new replica g takes old replica g mod 2's
+    # error buffer (the replica mapping rule), whole (the buffer after the sync at step 2: the simulator's)
+    reshard = dict(config=common.ds_config(acco=block(1, **cases[1]), gas=GAS), steps=3, load=saves[3],
+                   export_shards=True)
     resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path, record_committed=True)
-                               for path in saves.values()]}, world_size=4, timeout=300)
+                               for path in saves.values()] + [reshard]}, world_size=4, timeout=300)
+    ref = reference(4, 2, **cases[1])
+    for rank in range(4):
+        error = resumed[rank][-1]["loaded"]["outer"]["error"][0]
+        want = ref["errors"][rank % 2][0]
+        assert error.numel() == 146 and float(want.abs().max()) > 1e-3
+        torch.testing.assert_close(error.double(), want, atol=1e-5, rtol=1e-4)
     for rank in range(4):
         want = results[rank][1]
-        for stop, r in zip(saves, resumed[rank]):
+        for stop, r in zip(saves, resumed[rank][:len(saves)]):
             assert r["loaded"]["global_steps"] == stop
             for got, expect in zip(r["params"], want["params"][stop:]):
                 assert torch.equal(got, expect), (stop, (got - expect).abs().max())
