@@ -44,8 +44,7 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
     """
 
     overlapped = False  # the outer communication runs on a thread of its own (``outer_comm``)
-    schedule_mode: Optional[str] = None  # the period schedule's mode (None: acco.mode)
-    dense_outer = True  # the outer step averages dense tensors (acco.compression may quantize them)
+    schedule_mode, dense_outer = None, True  # the periods' mode (None: acco.mode); compressible dense averages
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
         from ...config import LocalSGDConfig
