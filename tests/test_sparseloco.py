@@ -191,3 +191,21 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
     start = loss_at(torch.nn.utils.parameters_to_vector(common.make_model(0).parameters()))
     # (random targets: the best a linear fit reaches is close to the start; measured 0.976 -> 0.938)
     assert loss_at(results[0][1]["committed"][-1]) < 0.97 * start
+
+
+@pytest.mark.timeout(400)
+def test_the_torch_host_on_plain_modules_matches_the_simulator():
+    """``acco_ds.torch`` on a plain module (ZeRO-1's flat partitions, no DeepSpeed): 2 replicas of 2 ranks,
+    the straddling chunk, 2-bit values; every rank's replica and the anchor match the simulator, and
+    finalize leaves one model. (On FSDP2 the loop refuses: test_tensor_parallelism_and_fsdp2_are_refused.)"""
+    from test_torch_host import WORKER, local
+    cfg = local("sparseloco", 2, H=H, **CASES[1])
+    results = launch({"runs": [dict(config=cfg, steps=STEPS, finalize=True)]}, world_size=4, timeout=350,
+                     worker=WORKER)
+    ref = reference(4, 2, **CASES[1])
+    for rank in range(4):
+        r = results[rank][0]
+        assert not r["deepspeed_imported"]
+        assert_matches(r["params"], ref["replicas"][rank // 2])
+        assert_matches(r["committed"], ref["anchor"])
+        assert torch.equal(r["final_params"], results[0][0]["final_params"])
