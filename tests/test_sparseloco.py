@@ -109,15 +109,12 @@ def test_bad_sparseloco_keys_are_refused_by_name(local_sgd, needle):
     assert needle in str(err.value), str(err.value)
 
 
-def test_tensor_parallelism_and_fsdp2_are_refused_by_name():
-    """The loop refuses, before any collective, a host without flat buffers (the torch host's FSDP2) and a
-    replica with a model-parallel group (tensor parallelism: the DeepSpeed host sets ``model_main``)."""
+def test_tensor_parallelism_is_refused_by_name():
+    """The loop refuses, before any collective, a replica with a model-parallel group (tensor parallelism:
+    the DeepSpeed host sets ``model_main``)."""
     from acco_ds.runtime.outer.interface import ReplicaGroups, Shards, build_outer_loop
     acco = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
     groups = ReplicaGroups(1, 2, 0, 0, [0], [0, 1], None, None, None, None)
-    fsdp2 = Shards([torch.zeros(4)], None, lambda: None, [[(torch.zeros(4), 0)]])
-    with pytest.raises(ValueError, match=r'"sparseloco" does not support the torch host \(FSDP2\) yet'):
-        build_outer_loop(acco, fsdp2, groups)
     groups.model_main = object()
     zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(torch.zeros(4), 0)]])
     with pytest.raises(ValueError, match='"sparseloco" does not support tensor parallelism yet: a tensor-parallel'):
@@ -194,18 +191,20 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
 
 
 @pytest.mark.timeout(400)
-def test_the_torch_host_on_plain_modules_matches_the_simulator():
-    """``acco_ds.torch`` on a plain module (ZeRO-1's flat partitions, no DeepSpeed): 2 replicas of 2 ranks,
-    the straddling chunk, 2-bit values; every rank's replica and the anchor match the simulator, and
-    finalize leaves one model. (On FSDP2 the loop refuses: test_tensor_parallelism_and_fsdp2_are_refused.)"""
+def test_the_torch_host_on_plain_modules_and_fsdp2_matches_the_simulator():
+    """``acco_ds.torch`` (no DeepSpeed), 2 replicas of 2 ranks, 2-bit values: on a plain module (ZeRO-1's flat
+    partitions, the straddling chunk) and on FSDP2 (each parameter sharded by rows, unevenly: fc1.weight's
+    13 rows as 7 + 6, so its chunk [48, 64) straddles the two shards at 49); every rank's replica and the
+    anchor match the simulator, and finalize leaves one model."""
     from test_torch_host import WORKER, local
     cfg = local("sparseloco", 2, H=H, **CASES[1])
-    results = launch({"runs": [dict(config=cfg, steps=STEPS, finalize=True)]}, world_size=4, timeout=350,
-                     worker=WORKER)
+    results = launch({"runs": [dict(config=cfg, steps=STEPS, finalize=True, fsdp=fsdp) for fsdp in (None, 2)]},
+                     world_size=4, timeout=350, worker=WORKER)
     ref = reference(4, 2, **CASES[1])
-    for rank in range(4):
-        r = results[rank][0]
-        assert not r["deepspeed_imported"]
-        assert_matches(r["params"], ref["replicas"][rank // 2])
-        assert_matches(r["committed"], ref["anchor"])
-        assert torch.equal(r["final_params"], results[0][0]["final_params"])
+    for i in range(2):
+        for rank in range(4):
+            r = results[rank][i]
+            assert not r["deepspeed_imported"]
+            assert_matches(r["params"], ref["replicas"][rank // 2])
+            assert_matches(r["committed"], ref["anchor"])
+            assert torch.equal(r["final_params"], results[0][i]["final_params"])

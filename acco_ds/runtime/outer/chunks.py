@@ -63,16 +63,22 @@ def _straddling(starts: torch.Tensor, ends: torch.Tensor, point: int) -> Optiona
     return j if j >= 0 and int(starts[j]) < point < int(ends[j]) else None
 
 
-def chunk_plan(params: Sequence[Tuple[int, int]], partition: int, k: int, shard: int, chunk: int) -> ChunkPlan:
+def chunk_plan(params: Sequence[Tuple[int, int]], partition: int, k: int, shard: int, chunk: int,
+               layout: Optional[Sequence[Tuple[int, int]]] = None) -> ChunkPlan:
     """This rank's ``ChunkPlan`` for a group of ``(numel, offset)`` parameters split into ``k`` partitions
-    of ``partition`` elements, rank ``shard`` holding ``[shard * partition, (shard + 1) * partition)``."""
+    of ``partition`` elements, rank ``shard`` holding ``[shard * partition, (shard + 1) * partition)``;
+    ``layout``: per rank ``(start, size)`` instead (FSDP2's uneven dim-0 shards of one parameter)."""
     starts, ends = chunk_bounds(params, chunk)
-    P = partition
+    layout = list(layout) if layout is not None else [(t * partition, partition) for t in range(k)]
+
+    def holder(point: int) -> int:
+        return next(t for t, (a, n) in enumerate(layout) if a <= point < a + n)
+
     heads = []  # per rank: (owner, elements) of its head, or None
-    for t in range(k):
-        j = _straddling(starts, ends, t * P)
-        heads.append(None if j is None else (int(starts[j]) // P, min(int(ends[j]), (t + 1) * P) - t * P))
-    base = shard * P
+    for a, n in layout:
+        j = _straddling(starts, ends, a) if n else None
+        heads.append(None if j is None else (holder(int(starts[j])), min(int(ends[j]), a + n) - a))
+    base, P = layout[shard]
     owned = (starts >= base) & (starts < base + P)
     own_s, own_e = starts[owned], ends[owned]
     if own_s.numel() and not torch.equal(own_e[:-1], own_s[1:]):

@@ -31,18 +31,23 @@ from . import words
 from .base import LocalSGD
 from .chunks import ChunkPlan, chunk_plan
 from .interface import ReplicaGroups, Shards
+from ..reshard import Layout
 
 
 def refuse_unsupported(shards: Shards, groups: ReplicaGroups) -> None:
-    """What sparseloco does not run on yet, refused by name with the reason."""
-    if shards.flats is None:
-        raise ValueError('acco.mode "sparseloco" does not support the torch host (FSDP2) yet: its chunks are cut '
-                         'per parameter tensor, and FSDP2\'s uneven dim-0 shards need their own boundary exchange. '
-                         'Use the DeepSpeed host (ZeRO-1 inside each replica) or mode "diloco"')
+    """What sparseloco does not run on yet, refused by name with the reason (the torch host's FSDP2 runs: its
+    per-parameter dim-0 shards get their own chunk layout)."""
     if groups.model_main is not None:
         raise ValueError('acco.mode "sparseloco" does not support tensor parallelism yet: a tensor-parallel rank '
                          'holds a slice of each split tensor, so its chunks would not be the whole tensor\'s chunks '
                          'of the contract. Train without tensor parallelism or use mode "diloco"')
+
+
+def fsdp2_layout(param, k: int) -> list:
+    """Per rank ``(start, size)`` of FSDP2's ``Shard(0)`` of ``param`` (one group per parameter on that host)
+    over the ``k`` ranks of a replica: ``ceil(rows / k)`` rows each, the last ones shorter or empty."""
+    layout = Layout.dim0(param.shape, k)
+    return list(zip(layout.starts, layout.sizes))
 
 
 class SparseLoCo(LocalSGD):
@@ -59,7 +64,8 @@ class SparseLoCo(LocalSGD):
         self.bits = ls.value_bits or 0  # 0: fp32 values (the wire format's b = 0)
         self.kernels = load_kernels(acco.kernels, shards.device)
         self.plans: List[ChunkPlan] = [
-            chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], groups.k, groups.shard, self.chunk)
+            chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], groups.k, groups.shard, self.chunk,
+                       None if shards.flats is not None else fsdp2_layout(group[0][0], groups.k))
             for i, group in enumerate(shards.params)]
         self.momentum = []  # no outer momentum: the error buffer replaces it
         self.error = [torch.zeros_like(m) for m in shards.masters]
