@@ -218,10 +218,6 @@ def check_before_initialize(model, mpu=None, ds_config: Optional[dict] = None, a
         problems.append(f'acco.accumulation="adaptive" cannot run with {model.num_stages} pipeline stages: a '
                         f'pipeline schedule runs a fixed number of micro-batches per train_batch(). Use '
                         f'accumulation "fixed"')
-    if isinstance(model, PipelineModule) and model.num_stages > 1 and acco is not None and acco.mode == "sparseloco":
-        problems.append(f'acco.mode "sparseloco" does not support pipeline parallelism yet ({model.num_stages} '
-                        f'stages): it is not tested against the simulator there. Train without stages or use mode '
-                        f'"diloco"')
     if isinstance(model, torch.nn.Module) and has_moe_layers(model)[0]:
         problems.append('ACCO does not support MoE layers (expert parallel groups): train without MoE or set '
                         '"acco": {"enabled": false}')

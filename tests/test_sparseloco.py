@@ -110,12 +110,12 @@ def test_bad_sparseloco_keys_are_refused_by_name(local_sgd, needle):
 
 
 def test_tensor_parallelism_is_refused_by_name():
-    """The loop refuses, before any collective, a replica with a model-parallel group (tensor parallelism:
-    the DeepSpeed host sets ``model_main``)."""
+    """The loop refuses, before any collective, a replica whose tensors are split over ranks (the DeepSpeed
+    host sets ``tensor_parallel`` from the mpu; pipeline stages do not count)."""
     from acco_ds.runtime.outer.interface import ReplicaGroups, Shards, build_outer_loop
     acco = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
     groups = ReplicaGroups(1, 2, 0, 0, [0], [0, 1], None, None, None, None)
-    groups.model_main = object()
+    groups.model_main, groups.tensor_parallel = object(), 2
     zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(torch.zeros(4), 0)]])
     with pytest.raises(ValueError, match='"sparseloco" does not support tensor parallelism yet: a tensor-parallel'):
         build_outer_loop(acco, zero1, groups)
@@ -148,13 +148,16 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
     runs = [dict(config=common.ds_config(acco=block(2, **c), gas=GAS), steps=STEPS, record_committed=True)
             for c in cases]
     runs += [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]
-    # refused by name: pipeline parallelism (2 stages x 2 data-parallel ranks, replicas of 1)
-    runs.append(dict(config=common.ds_config(acco=block(1), gas=GAS), steps=1, pipe=2, init_error=True))
+    # PP 2 x DP 2: 2 replicas of one data-parallel rank, each with both stages (one Linear each): chunks are
+    # per tensor, so each stage packs its own tensors' chunks; the anchor is the unsplit simulator's
+    runs.append(dict(config=common.ds_config(acco=block(1, **cases[1]), gas=GAS), steps=STEPS, pipe=2,
+                     record_committed=True))
     results = launch({"runs": runs}, world_size=4, timeout=400)
     check_against_simulator(results, 4, 2, cases)
-    for rank in range(4):
-        assert 'acco.mode "sparseloco" does not support pipeline parallelism yet (2 stages)' in \
-            results[rank][-1]["init_error"], results[rank][-1]
+    from test_pipeline import _whole
+    pipe = reference(2, 1, **cases[1])
+    for params in _whole(results, len(runs) - 1, STEPS):
+        assert_matches(params, pipe["anchor"])
     # and resharded: the same checkpoint into 4 replicas of 1 rank; new replica g takes old replica g mod 2's
     # error buffer (the replica mapping rule), whole (the buffer after the sync at step 2: the simulator's)
     reshard = dict(config=common.ds_config(acco=block(1, **cases[1]), gas=GAS), steps=3, load=saves[3],

@@ -56,6 +56,7 @@ class ReplicaGroups:
     # replica's parameters and A-EDiT's clock are summed (maxed) over it too, main thread and outer thread.
     model_main: object = None
     model_side: object = None
+    tensor_parallel: int = 1  # ranks that split one tensor (the tensor-parallel size; pipeline stages do not)
 
     def reduce(self, value: float, device, side: bool = False, op=tdist.ReduceOp.SUM) -> float:
         """``value`` summed (or ``op``) over every rank of this replica: its replica group, then its

@@ -37,7 +37,7 @@ from ..reshard import Layout
 def refuse_unsupported(shards: Shards, groups: ReplicaGroups) -> None:
     """What sparseloco does not run on yet, refused by name with the reason (the torch host's FSDP2 runs: its
     per-parameter dim-0 shards get their own chunk layout)."""
-    if groups.model_main is not None:
+    if groups.tensor_parallel > 1:
         raise ValueError('acco.mode "sparseloco" does not support tensor parallelism yet: a tensor-parallel rank '
                          'holds a slice of each split tensor, so its chunks would not be the whole tensor\'s chunks '
                          'of the contract. Train without tensor parallelism or use mode "diloco"')

@@ -89,8 +89,8 @@ def sparse_words(s: dict) -> str:
     return (f"top {s['sparse_topk']} of every {s['sparse_chunk']} elements (density {100 * s['sparse_density']:.2f}%), "
             f"{bits} + 16-bit indices + an fp32 scale per chunk: {s['sparse_payload_bytes']:,} bytes per sync "
             f"handed to the all-gather by this rank{ratio}; error feedback decay {s['sparse_error_decay']:g}, "
-            f"residual norm {'n/a (no sync yet)' if norm is None else f'{norm:.4g}'} (this replica, after the last "
-            f"sync); {s['sparse_boundary_bytes']:,} bytes traded inside the replica for chunks across partitions")
+            f"residual norm {'n/a (no sync yet)' if norm is None else f'{norm:.4g}'} (the parameters this rank's "
+            f"replica group holds, after the last sync); {s['sparse_boundary_bytes']:,} bytes traded inside the replica for chunks across partitions")
 
 
 __all__ = ["banner", "report", "progress", "fault_tolerance_words", "sparse_banner", "sparse_words"]
