@@ -39,7 +39,7 @@ class ACCOConfig(_Documented):
     boolean only: ``"yes"``, ``"on"`` or ``1`` are rejected, so a typo never
     turns ACCO on or off silently."""
 
-    mode: Literal["acco", "dpu", "sync", "diloco", "co2", "edit"] = "acco"
+    mode: Literal["acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco"] = "acco"
     """``acco``: two rounds per optimizer step, the first estimates the next
     parameters with a Peek of the optimizer (delay compensation), the second
     commits; communication of each half-batch hides behind the compute of the
@@ -47,7 +47,8 @@ class ACCOConfig(_Documented):
     the gradient of the previous batch. ``sync``: plain ZeRO-1 (no overlap),
     for A/B comparisons; numerically equal to stock DeepSpeed ZeRO-1.
     ``diloco``, ``co2``, ``edit``: the local-SGD family (docs/design.md section 2), set
-    up by ``local_sgd``; ``edit`` with ``local_sgd.sync_time_s`` is A-EDiT."""
+    up by ``local_sgd``; ``edit`` with ``local_sgd.sync_time_s`` is A-EDiT. ``sparseloco``: DiLoCo's
+    periods with sparse outer communication (top-k per chunk, 2-bit values, error feedback; docs/sparseloco.md)."""
 
     accumulation: Literal["fixed", "adaptive"] = "fixed"
     """``fixed``: every round accumulates exactly its configured number of
@@ -90,7 +91,7 @@ class ACCOConfig(_Documented):
 
     @property
     def local(self) -> bool:
-        """A local-SGD mode (``diloco``, ``co2``, ``edit``)."""
+        """A local-SGD mode (``diloco``, ``co2``, ``edit``, ``sparseloco``)."""
         return self.mode in LOCAL_SGD_MODES
 
     @property
@@ -103,7 +104,7 @@ class ACCOConfig(_Documented):
         if self.local_sgd is not None and not self.local:
             raise ValueError(f'acco.local_sgd configures the local-SGD modes ({", ".join(LOCAL_SGD_MODES)}) but '
                              f'acco.mode is "{self.mode}": remove acco.local_sgd or set acco.mode to "diloco"/"co2"/'
-                             f'"edit"')
+                             f'"edit"/"sparseloco"')
         if self.local:
             acco_only = [k for k in ("accumulation", "max_micro_batches_per_round") if k in self.model_fields_set]
             if acco_only:
@@ -124,6 +125,7 @@ class ACCOConfig(_Documented):
                                          f'acco.mode to "edit"')
             if ls is not None:
                 ls.check_streaming(self.mode)
+                ls.check_sparse(self.mode)
             if ls is not None and ls.sync_time_s is not None and "sync_every" in ls.model_fields_set:
                 raise ValueError("acco.local_sgd.sync_time_s (A-EDiT: periods end on wall time) and "
                                  "acco.local_sgd.sync_every (periods of a fixed step count) exclude each other: "
@@ -133,6 +135,10 @@ class ACCOConfig(_Documented):
     @model_validator(mode="after")
     def _check_compression(self):
         self.compression.check(self.mode, self.local)
+        if self.fault_tolerance is not None and self.mode == "sparseloco":
+            raise ValueError('acco.fault_tolerance is not supported with acco.mode "sparseloco" yet: torchft\'s '
+                             'Manager offers an all-reduce, and sparseloco aggregates by an all-gather of each '
+                             'replica\'s (indices, values, scales). Remove acco.fault_tolerance, or use mode "diloco"')
         if self.fault_tolerance is not None:
             self.fault_tolerance.check(self)
         return self

@@ -21,15 +21,17 @@ class _Documented(BaseModel):
                               arbitrary_types_allowed=True, protected_namespaces=())
 
 
-LOCAL_SGD_MODES = ("diloco", "co2", "edit")
+LOCAL_SGD_MODES = ("diloco", "co2", "edit", "sparseloco")
 ROUND_MODES = ("acco", "dpu", "sync")
 
 # Outer-optimizer defaults per mode (DiLoCo's paper; CO2's released code).
 OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
                   "co2": {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False},
-                  "edit": {"outer_lr": 0.7, "outer_momentum": 0.8, "nesterov": True}}
+                  "edit": {"outer_lr": 0.7, "outer_momentum": 0.8, "nesterov": True},
+                  "sparseloco": {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}}  # error feedback, no momentum
 EDIT_ONLY = ("sync_time_s", "pseudo_grad_clip", "weighting", "anomaly")
 STREAMING = ("fragments", "fragment_sync_delay", "fragment_update_alpha")  # diloco only
+SPARSE = ("chunk", "topk", "error_decay", "value_bits")  # sparseloco only
 
 
 class AnomalyConfig(_Documented):
@@ -51,7 +53,7 @@ class AnomalyConfig(_Documented):
 
 
 class LocalSGDConfig(_Documented):
-    """The local-SGD family (DiLoCo, CO2, EDiT): replicas train alone for ``sync_every``
+    """The local-SGD family (DiLoCo, CO2, EDiT, SparseLoCo): replicas train alone for ``sync_every``
     inner steps, then their pseudo-gradients are averaged into an outer step."""
 
     sync_every: StrictInt = Field(20, ge=1)
@@ -79,7 +81,8 @@ class LocalSGDConfig(_Documented):
     world size and leave at least two replicas."""
 
     outer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    """Outer learning rate (η; α in CO2). Default: 0.7 in ``diloco`` and ``edit``, 1.0 in ``co2``."""
+    """Outer learning rate (η; α in CO2). Default: 0.7 in ``diloco`` and ``edit``, 1.0 in ``co2`` and
+    ``sparseloco``."""
 
     outer_momentum: Optional[float] = Field(None, ge=0.0, lt=1.0, allow_inf_nan=False)
     """Outer momentum (μ; β in CO2). Default: 0.9 in ``diloco``, 0.8 in ``edit``, 0.5 in ``co2``."""
@@ -107,6 +110,41 @@ class LocalSGDConfig(_Documented):
     """``diloco`` only: α. At a sync the replica's fragment becomes ``g' + α (θ_local − g')`` (g': the
     fragment's new global values, θ_local: the replica's own): 0 takes the global values, 1 keeps the
     local ones."""
+
+    chunk: StrictInt = Field(4096, ge=1, description="``sparseloco`` only: elements per chunk. Each parameter "
+                             "tensor, flattened, is cut into chunks of this many elements (its last one may be "
+                             "shorter); at most 65536 (indices travel as 16 bits).")
+
+    topk: StrictInt = Field(64, ge=1, description="``sparseloco`` only: entries of largest magnitude kept per chunk "
+                            "(density topk / chunk). At most chunk.")
+
+    error_decay: float = Field(0.95, ge=0.0, lt=1.0, allow_inf_nan=False,
+                               description="``sparseloco`` only: β, the error-feedback buffer becomes "
+                               "β e + δ at every sync before the top-k; in [0, 1).")
+
+    value_bits: Optional[Literal[2, 4, 8]] = Field(2, description="``sparseloco`` only: bits per kept value (2, 4 "
+                                                   "or 8 levels codes with one fp32 scale per chunk), or null "
+                                                   "to send the kept values in fp32.")
+
+    def check_sparse(self, mode: str) -> None:
+        """SparseLoCo's keys: sparseloco only; topk <= chunk <= 65536; no outer momentum."""
+        given = [k for k in SPARSE if k in self.model_fields_set]
+        if mode != "sparseloco" and given:
+            raise ValueError(f'acco.local_sgd.{given[0]} is SparseLoCo\'s: it applies to mode "sparseloco", not to '
+                             f'mode "{mode}": remove it or set acco.mode to "sparseloco"')
+        if mode != "sparseloco":
+            return
+        for key in ("outer_momentum", "nesterov"):
+            if getattr(self, key) is not None:
+                raise ValueError(f'acco.local_sgd.{key} does not apply to mode "sparseloco": its error-feedback '
+                                 f'buffer (error_decay) replaces the outer momentum and the outer step is plain '
+                                 f'averaged descent with outer_lr. Remove {key}')
+        if self.chunk > 65536:
+            raise ValueError(f"acco.local_sgd.chunk ({self.chunk}) must be at most 65536: each kept entry's index "
+                             f"inside its chunk travels as 16 bits. Use a chunk of at most 65536 (default 4096)")
+        if self.topk > self.chunk:
+            raise ValueError(f"acco.local_sgd.topk ({self.topk}) must be at most acco.local_sgd.chunk "
+                             f"({self.chunk}): it is the number of entries kept per chunk. Lower topk or raise chunk")
 
     @property
     def streaming(self) -> bool:
@@ -223,6 +261,10 @@ class CompressionConfig(_Documented):
             raise ValueError(f'acco.compression.apply_to "outer" compresses the local-SGD outer all-reduce, but '
                              f'acco.mode is "{mode}" (no outer loop): use "apply_to": ["rounds"] or a mode '
                              f'"diloco"/"co2"/"edit"')
+        if mode == "sparseloco" and self.apply_to is not None and "outer" in self.apply_to:
+            raise ValueError('acco.compression.apply_to "outer" cannot be used with acco.mode "sparseloco": its outer '
+                             'communication is its own compression (top-k per chunk, value_bits, error feedback). '
+                             'Use "apply_to": ["rounds"] to compress only the inner steps, or remove apply_to')
         if "residual_dtype" in self.model_fields_set and not self.error_feedback:
             raise ValueError("acco.compression.residual_dtype sets the dtype of the error-feedback residuals, but "
                              "acco.compression.error_feedback is false: remove residual_dtype or enable "

@@ -80,8 +80,9 @@ def outer_residual_bytes(numel: int, group_size: int, replicas: int, compression
 
 def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1) -> int:
     """Local-SGD modes: fp32 shards of the anchor and outer momentum (``co2``: also the period start and the
-    in-flight pseudo-gradient), plus the pseudo-gradient computed at a sync (``edit`` keeps that one: its
-    outer step runs during the next forward; Streaming DiLoCo with F ``fragments``: one fragment's, 1/F)."""
+    in-flight pseudo-gradient; ``sparseloco``: the anchor and the error-feedback buffer, no momentum), plus the
+    pseudo-gradient computed at a sync (``edit`` keeps that one: its outer step runs during the next forward;
+    Streaming DiLoCo with F ``fragments``: one fragment's, 1/F; ``sparseloco``: the averaged update)."""
     shards = 2 + (2 if mode == "co2" else 0)
     return shards * 4 * numel // group_size + 4 * numel // group_size // fragments
 
@@ -100,8 +101,9 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (default: the model dtype).
         communication_data_type: DeepSpeed's ``communication_data_type`` (default: the model dtype).
         mode: ``acco`` keeps the estimate round's reduced shard (cN/W more than ``dpu``/``sync``);
-            ``diloco``/``co2``/``edit`` shard ZeRO-1 over a replica group of ``replica_group_size`` ranks (k) and add
-            the outer state: 8N/k bytes (``co2``: 16N/k) plus 4N/k at a sync.
+            ``diloco``/``co2``/``edit``/``sparseloco`` shard ZeRO-1 over a replica group of ``replica_group_size``
+            ranks (k) and add the outer state: 8N/k bytes (``co2``: 16N/k; ``sparseloco``: the anchor and the
+            fp32 error-feedback buffer) plus 4N/k at a sync.
         compression: the ``acco.compression`` block (a dict): compressed rounds add the error-feedback
             residuals of the reduce-scatter, (P-1)N/W elements (P: ranks of the quantized step, W, or the
             ``nodes`` of a node-aware layout), plus an fp32 kept shard and, without overlap, a target shard;
@@ -123,7 +125,7 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     b, a = _size(model_dt), _size(accum)
     padded = padded_numel(n, gpus)
     stock = b * padded + a * padded + 16 * padded // gpus  # fp32 master, Adam m and v, fp32 gradient partition
-    if mode in ("diloco", "co2", "edit"):
+    if mode in ("diloco", "co2", "edit", "sparseloco"):
         k = replica_group_size or 1
         if gpus % k or k == gpus:
             raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--grad-accum-dtype", choices=list(DTYPES), default=None)
     p.add_argument("--communication-data-type", choices=list(DTYPES), default=None)
-    p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2", "edit"], default="acco")
+    p.add_argument("--mode", choices=["acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco"],
+                   default="acco")
     p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2/edit (default 1)")
     p.add_argument("--fragments", type=int, default=1, help="--mode diloco: Streaming DiLoCo fragments (F)")
     p.add_argument("--compression", choices=["int8", "fp8"], default=None,

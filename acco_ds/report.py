@@ -114,7 +114,7 @@ def config_report(path: str) -> int:
     ``initialize`` checks it; a bad block prints the same error)."""
     import json
 
-    from .config import parse_acco_config
+    from .config import LocalSGDConfig, parse_acco_config
     from .runtime.comm.compression import describe
     try:
         with open(path) as f:
@@ -126,11 +126,16 @@ def config_report(path: str) -> int:
         print(f"{path}: no enabled \"acco\" block: stock DeepSpeed")
         return 0
     print(f"mode ............... {acco.mode}" + (f" ({acco.accumulation} accumulation)" if not acco.local else ""))
+    sparse = acco.mode == "sparseloco"  # its outer step is its own compression
     if acco.local:
         print(f"local_sgd .......... {acco.outer}")
+    if sparse:
+        ls = acco.local_sgd or LocalSGDConfig()
+        print(f"sparse outer ....... top {ls.topk} of every {ls.chunk} elements, "
+              f"{f'{ls.value_bits}-bit' if ls.value_bits else 'fp32'} values, error decay {ls.error_decay:g}")
     c = acco.collectives
     print(f"collectives ........ layout {c.layout}, ranks_per_node {c.ranks_per_node or 'auto (launcher)'}")
-    print(f"compression ........ {describe(acco.compression, acco.local)}")
+    print(f"compression ........ {describe(acco.compression, acco.local and not sparse)}")
     return 0
 
 

@@ -328,6 +328,10 @@ def main():
                    "(e.g. \"--slow_rank 3 --slow_factor 2\": the heterogeneous table)")
     p.add_argument("--race_ratio", type=float, default=1.01, help="race: target = ratio x stock's final loss")
     p.add_argument("--race_cap", type=float, default=3.0, help="race: time cap = this x stock's training time")
+    p.add_argument("--race_reference", type=lambda s: s.split(","), default=None,
+                   help="race: links where only stock runs (list them first in --bandwidths): the first one's stock "
+                        "run gives every other link its target, time cap and 'vs stock' (e.g. unlimited: the "
+                        "compute-only limit); the other modes run on the other links only")
     p.add_argument("--race_eval_interval", type=int, default=4, help="race: inner steps between validations")
     p.add_argument("--run_timeout", type=float, default=600, help="seconds before a run is killed")
     p.add_argument("--results_dir", "--out", default=None,

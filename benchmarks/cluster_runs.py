@@ -56,6 +56,14 @@ for _f, _tau in ((1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (4, 0), (4, 1)):
         "--fragments", str(_f), "--fragment_sync_delay", str(_tau), "--fragment_update_alpha",
         "0.5" if _tau else "0"]
 STREAMING_MODES = [STOCK, "diloco H=8"] + [m for m in MODES if " F=" in m]
+# Issue 46's race: sparseloco (chunk 4096, top 64, 2-bit values, error decay 0.95: the defaults) beside diloco
+# int8 at the same H, and Streaming DiLoCo int8 at its best F, τ of the 10 Mbit race (F=2 τ=2).
+for _h in (2, 4, 8):
+    MODES[f"sparseloco H={_h}"] = ["--mode", "sparseloco", "--sync_every", str(_h)]
+    MODES[f"diloco H={_h} int8"] = ["--mode", "diloco", "--sync_every", str(_h), "--compression", "int8"]
+MODES["diloco H=8 F=2 τ=2 int8"] = MODES["diloco H=8 F=2 τ=2"] + ["--compression", "int8"]
+SPARSE_RACE_MODES = [STOCK, "diloco H=8 F=2 τ=2 int8"] + [f"{m} H={h}" + (" int8" if m == "diloco" else "")
+                                                           for h in (2, 4, 8) for m in ("diloco", "sparseloco")]
 TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32",
                  "edit H=8", "edit H=32", "a-edit T=5s"]
 LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)

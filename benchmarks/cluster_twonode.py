@@ -209,12 +209,19 @@ def cmd_race(h):
     base = {"steps": a.steps, "warmup": a.warmup, "eval_interval": a.race_eval_interval,
             "eval_batches": a.eval_batches, "tokens": a.tokens, "extra": []}
     runs, targets, caps, failed = {}, {}, {}, {}
+    reference = {}  # --race_reference: the link where only stock runs; target, cap and "vs stock" come from it
     for bw in a.bandwidths:
-        stock = runs[(bw, STOCK)] = h.run(bw, STOCK, base, tag="race")
+        if a.race_reference and bw not in a.race_reference:
+            if "run" not in reference:
+                raise SystemExit(f"--race_reference {','.join(a.race_reference)}: list it first in --bandwidths")
+            stock = reference["run"]
+        else:
+            stock = runs[(bw, STOCK)] = h.run(bw, STOCK, base, tag="race")
+            reference.setdefault("run", stock)
         # Rounded as the workers get it (--target_loss): the table then judges with the number they stopped on.
         targets[bw] = round(a.target or stock["final_val_loss"] * a.race_ratio, 4)
         caps[bw] = a.race_cap * stock["train_time_s"]
-        for mode in [m for m in a.modes if m != STOCK]:
+        for mode in [m for m in a.modes if m != STOCK and not (a.race_reference and bw in a.race_reference)]:
             stop = ["--target_loss", f"{targets[bw]:.4f}", "--time_cap_s", f"{caps[bw]:.1f}"]
             spec = dict(base, tokens=50 * a.tokens, extra=stop + (["--eval_syncs", "1"] if "T=" in mode else []))
             run_row(h, bw, mode, spec, "race", runs, failed)
@@ -228,9 +235,11 @@ def cmd_race(h):
              "inter-node MB/step | final val loss | stopped by |", "|---" * 10 + "|"]
     table = []
     for bw in a.bandwidths:
-        stock_reach = first_reach(runs[(bw, STOCK)]["history"], targets[bw])
+        stock_reach = first_reach((runs.get((bw, STOCK)) or reference["run"])["history"], targets[bw])
         for mode in a.modes:
             r = runs.get((bw, mode))
+            if r is None and a.race_reference and (mode == STOCK or bw in a.race_reference):
+                continue  # stock runs on the reference link only, the other modes elsewhere only
             if r is None:
                 lines.append(f"| {bw} | {mode} | failed (below) |" + " |" * 7)
                 continue

@@ -61,7 +61,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="committed optimizer steps")
     parser.add_argument("--tokens", type=int, default=0,
                         help="stop after this many training tokens (overrides --steps)")
-    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1", "diloco", "co2", "edit"], default=None,
+    parser.add_argument("--mode", choices=["acco", "dpu", "sync", "zero1", "diloco", "co2", "edit", "sparseloco"],
+                        default=None,
                         help="override the config's acco.mode; zero1 removes the acco block (stock DeepSpeed)")
     parser.add_argument("--accumulation", choices=["fixed", "adaptive"], default=None)
     parser.add_argument("--sync_every", type=int, default=None, help="diloco/co2: inner steps per period (H)")
@@ -129,7 +130,7 @@ def main():
                 config["acco"]["compression"]["block_size"] = args.compression_block
         if args.slow_factor > 1:
             config["acco"]["emulation"] = {"slow_rank": args.slow_rank, "slow_factor": args.slow_factor}
-        if config["acco"].get("mode") in ("diloco", "co2", "edit"):
+        if config["acco"].get("mode") in ("diloco", "co2", "edit", "sparseloco"):
             for key in ("accumulation", "max_micro_batches_per_round"):  # ACCO-only keys are rejected there
                 config["acco"].pop(key, None)
             local = config["acco"].setdefault("local_sgd", {})

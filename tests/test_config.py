@@ -207,11 +207,14 @@ def _block_with(path: str, value) -> dict:
     """An "acco" block whose key ``path`` is ``value``, in a mode where that key applies."""
     parts = path.split(".")[1:]
     streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
-    mode = ("diloco" if streaming else "edit") if parts[0] == "local_sgd" else \
+    sparse = parts[-1] in ("chunk", "topk", "error_decay", "value_bits")
+    mode = ("diloco" if streaming else "sparseloco" if sparse else "edit") if parts[0] == "local_sgd" else \
         "diloco" if parts[0] == "fault_tolerance" else "acco"
     block = {"enabled": True, "mode": mode}
     if parts[-1] == "fragments":
         block["local_sgd"] = {"sync_every": 16}  # a multiple of the values tried
+    if parts[-1] == "chunk":
+        block["local_sgd"] = {"topk": 1}  # at most the chunks tried
     if parts == ["max_micro_batches_per_round"]:
         block["accumulation"] = "adaptive"
     if parts[0] == "compression":  # its keys need a dtype

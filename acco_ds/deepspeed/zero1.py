@@ -57,6 +57,8 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         if mp and replica_groups is not None:
             replica_groups.model_main = self.model_parallel_group
             replica_groups.model_side = side_group(self.model_parallel_group, acco_config.timeout_s)
+            tp = getattr(self.mpu, "get_tensor_model_parallel_world_size", None)  # a pipeline grid's slice
+            replica_groups.tensor_parallel = int(tp()) if tp is not None else self.model_parallel_world_size
         self.setup_rounds(flats=self.bit16_groups_flat, masters=self.single_partition_of_fp32_groups,
                           optimizer=self.optimizer, params=params, group=group, side=side,
                           layout=node_layout(group, side, acco_config), crosses_nodes=crosses_nodes(group, acco_config),

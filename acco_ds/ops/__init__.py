@@ -46,6 +46,7 @@ class Kernels:
                  sparse_unpack_accumulate=reference.sparse_unpack_accumulate):
         self.name, self._adamw_update = name, adamw_update
         self.quantize_pack, self.dequantize_accumulate = quantize_pack, dequantize_accumulate
+        # sparseloco's chunked top-k + levels + pack, and unpack + accumulate (reference.sparse_pack's contract)
         self.sparse_pack, self.sparse_unpack_accumulate = sparse_pack, sparse_unpack_accumulate
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,

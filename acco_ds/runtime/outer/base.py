@@ -44,6 +44,7 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
     """
 
     overlapped = False  # the outer communication runs on a thread of its own (``outer_comm``)
+    schedule_mode, dense_outer = None, True  # the periods' mode (None: acco.mode); compressible dense averages
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
         from ...config import LocalSGDConfig
@@ -53,12 +54,14 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
         self.replicas, self.replica_ranks = groups.replicas, groups.replica_ranks
         self.settings = acco.outer
         self.local = acco.local_sgd or LocalSGDConfig()
-        self.schedule = PeriodSchedule(acco.mode, None if self.local.sync_time_s else self.local.sync_every)
+        self.schedule = PeriodSchedule(self.schedule_mode or acco.mode,
+                                       None if self.local.sync_time_s else self.local.sync_every)
         self.anchor = [m.detach().clone() for m in shards.masters]  # every replica starts at θ0 (broadcast)
         self.momentum = [torch.zeros_like(m) for m in shards.masters]
         # Quantized outer all-reduce with error feedback across periods (None: full precision).
         crosses = spans_nodes(groups.outer_ranks, acco, tdist.get_world_size())
-        self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses)
+        self.compression = OuterCompression.from_config(acco, ops.load_kernels(acco.kernels, shards.device), crosses) \
+            if self.dense_outer else None
         self.fault_tolerance = acco.fault_tolerance
         if self.fault_tolerance is not None:  # replicas that come and go: the outer group is torchft's
             from .fault_tolerance import TorchFTTransport

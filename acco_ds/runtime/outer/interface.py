@@ -56,6 +56,7 @@ class ReplicaGroups:
     # replica's parameters and A-EDiT's clock are summed (maxed) over it too, main thread and outer thread.
     model_main: object = None
     model_side: object = None
+    tensor_parallel: int = 1  # ranks that split one tensor (the tensor-parallel size; pipeline stages do not)
 
     def reduce(self, value: float, device, side: bool = False, op=tdist.ReduceOp.SUM) -> float:
         """``value`` summed (or ``op``) over every rank of this replica: its replica group, then its
@@ -214,6 +215,7 @@ OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
     "diloco": "acco_ds.runtime.outer.streaming:build",  # Streaming DiLoCo when its keys are set
     "co2": "acco_ds.runtime.outer.co2:CO2",
     "edit": "acco_ds.runtime.outer.edit:EDiT",
+    "sparseloco": "acco_ds.runtime.outer.sparseloco:SparseLoCo",
 }
 
 

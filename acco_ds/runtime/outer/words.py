@@ -71,4 +71,26 @@ def progress(loop) -> str:
             f"hidden={'n/a' if hidden is None else f'{100 * hidden:.0f}%'}")
 
 
-__all__ = ["banner", "report", "progress", "fault_tolerance_words"]
+def sparse_banner(loop) -> str:
+    """sparseloco's start-up words: no outer optimizer but averaged descent, and what travels."""
+    bits = f"{loop.bits}-bit values" if loop.bits else "fp32 values"
+    return (f"replicas={loop.groups.replicas} x {loop.groups.k} ranks ({_inner(loop)} inside each) "
+            f"{loop.period_words()[0]} outer=averaged descent lr={loop.settings['outer_lr']:g} sparse: top "
+            f"{loop.topk} of every {loop.chunk} elements, {bits}, error feedback decay {loop.decay:g}")
+
+
+def sparse_words(s: dict) -> str:
+    """sparseloco's summary line, from ``stats()``: density, bits, bytes per sync, residual norm."""
+    bits = f"{s['sparse_value_bits']}-bit values" if s["sparse_value_bits"] else "fp32 values"
+    dense = s["sparse_dense_bytes"]
+    ratio = f", {dense / s['sparse_payload_bytes']:.0f}x fewer than its fp32 pseudo-gradient" \
+        if s["sparse_payload_bytes"] else ""
+    norm = s["sparse_residual_norm"]
+    return (f"top {s['sparse_topk']} of every {s['sparse_chunk']} elements (density {100 * s['sparse_density']:.2f}%), "
+            f"{bits} + 16-bit indices + an fp32 scale per chunk: {s['sparse_payload_bytes']:,} bytes per sync "
+            f"handed to the all-gather by this rank{ratio}; error feedback decay {s['sparse_error_decay']:g}, "
+            f"residual norm {'n/a (no sync yet)' if norm is None else f'{norm:.4g}'} (the parameters this rank's "
+            f"replica group holds, after the last sync); {s['sparse_boundary_bytes']:,} bytes traded inside the replica for chunks across partitions")
+
+
+__all__ = ["banner", "report", "progress", "fault_tolerance_words", "sparse_banner", "sparse_words"]

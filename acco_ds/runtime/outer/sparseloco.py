@@ -1,0 +1,222 @@
+"""SparseLoCo: DiLoCo's blocking periods with sparse outer communication and error feedback.
+
+At every sync, on each replica r (docs/sparseloco.md has the contract, exact)::
+
+    δ_r = anchor − θ_r;   e_r = β e_r + δ_r                         (fp32, e_r sharded like the masters)
+    per chunk (each parameter tensor cut into ``chunk`` elements): keep the ``topk`` entries of largest
+    |e_r| (ties: lower index), q_r = their nearest of 2^b levels of the chunk's max (or their values)
+    e_r[kept] −= q_r
+    anchor −= outer_lr · (Σ_r scatter(q_r)) / R;   every replica restarts at the anchor
+
+Aggregation is an all-gather of each replica's packed payload (16-bit indices, b-bit codes, one fp32
+scale per chunk) over the outer group (the ranks holding the same shard in every replica), then every
+rank unpacks all R payloads into its part of the average: no all-reduce, since the indices differ per
+replica. A chunk straddling two ranks' ZeRO-1 partitions is packed by the rank holding its first element,
+which first takes the other ranks' part of the error buffer and afterwards hands back their residual and
+averaged update (``chunks.py``). The error buffer is rank state, in the masters' layout: checkpointed,
+resharded by the replica mapping rule, counted by the memory estimator. The inner optimizer state
+carries on across syncs, as in DiLoCo; there is no outer momentum (the error buffer replaces it).
+"""
+
+import math
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as tdist
+
+from ...ops import load_kernels
+from ...ops.reference import sparse_layout, sparse_payload_bytes
+from . import words
+from .base import LocalSGD
+from .chunks import ChunkPlan, chunk_plan
+from .interface import ReplicaGroups, Shards
+from ..reshard import Layout
+
+
+def refuse_unsupported(shards: Shards, groups: ReplicaGroups) -> None:
+    """What sparseloco does not run on yet, refused by name with the reason (the torch host's FSDP2 runs: its
+    per-parameter dim-0 shards get their own chunk layout)."""
+    if groups.tensor_parallel > 1:
+        raise ValueError('acco.mode "sparseloco" does not support tensor parallelism yet: a tensor-parallel rank '
+                         'holds a slice of each split tensor, so its chunks would not be the whole tensor\'s chunks '
+                         'of the contract. Train without tensor parallelism or use mode "diloco"')
+
+
+def fsdp2_layout(param, k: int) -> list:
+    """Per rank ``(start, size)`` of FSDP2's ``Shard(0)`` of ``param`` (one group per parameter on that host)
+    over the ``k`` ranks of a replica: ``ceil(rows / k)`` rows each, the last ones shorter or empty."""
+    layout = Layout.dim0(param.shape, k)
+    return list(zip(layout.starts, layout.sizes))
+
+
+class SparseLoCo(LocalSGD):
+    """The outer loop of mode ``sparseloco`` (see the module docstring). Args: as ``LocalSGD``."""
+
+    schedule_mode = "diloco"  # blocking periods of sync_every inner steps
+    dense_outer = False  # its own compression: acco.compression never applies to its outer step
+
+    def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
+        refuse_unsupported(shards, groups)
+        super().__init__(acco, shards, groups)
+        ls = self.local
+        self.chunk, self.topk, self.decay = ls.chunk, ls.topk, ls.error_decay
+        self.bits = ls.value_bits or 0  # 0: fp32 values (the wire format's b = 0)
+        self.kernels = load_kernels(acco.kernels, shards.device)
+        self.plans: List[ChunkPlan] = [
+            chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], groups.k, groups.shard, self.chunk,
+                       None if shards.flats is not None else fsdp2_layout(group[0][0], groups.k))
+            for i, group in enumerate(shards.params)]
+        self.momentum = []  # no outer momentum: the error buffer replaces it
+        self.error = [torch.zeros_like(m) for m in shards.masters]
+        self.payload = sum(sparse_payload_bytes(p.offsets, self.topk, self.bits) for p in self.plans if p.chunks)
+        self.kept = sum(int(sparse_layout(p.offsets, self.topk, self.bits)[1][-1]) for p in self.plans if p.chunks)
+        self.owned = sum(int(p.offsets[-1]) for p in self.plans if p.chunks)  # elements in this rank's chunks
+        self.boundary_bytes = 0  # bytes this rank sent to its replica's ranks for straddling chunks
+        self.residual_norm: Optional[float] = None  # ‖e‖ of this replica after the last sync
+
+    # ------------------------------------------------------------------ the sync
+    @torch.no_grad()
+    def _sync(self, sync) -> None:
+        start = time.perf_counter()
+        average = []
+        for i, (plan, x, master, e) in enumerate(zip(self.plans, self.anchor, self.shards.masters, self.error)):
+            e.mul_(self.decay).add_(x - master)
+            if not bool(torch.isfinite(e).all()):
+                raise FloatingPointError(f"sparseloco: the pseudo-gradient of parameter group {i} is not finite at "
+                                         f"sync {self.syncs + 1} (the inner steps diverged): lower the learning rate "
+                                         f"or set gradient_clipping")
+            average.append(self._sync_group(plan, e))
+        for x, avg in zip(self.anchor, average):
+            x.sub_(avg, alpha=self.settings["outer_lr"])
+        self._install(self.anchor)
+        self.unsent_steps = 0
+        squares = sum(float(e.double().square().sum()) for e in self.error)
+        self.residual_norm = math.sqrt(self.groups.reduce(squares, self.shards.device))
+        seconds = time.perf_counter() - start
+        self.outer_comm_s += seconds
+        self.outer_wait_s += seconds
+
+    def _sync_group(self, plan: ChunkPlan, e: torch.Tensor) -> torch.Tensor:
+        """Pack this rank's chunks of one group, all-gather every replica's payload, return this rank's
+        partition of the average (``e`` keeps its residual)."""
+        P = plan.partition
+        tails = self._exchange(plan, [e[:plan.head]] if plan.head else [], [n for _, n in plan.tails])
+        ext = torch.cat([e, *tails]) if tails else e
+        avg = torch.zeros_like(ext)
+        if plan.chunks:
+            region = ext[plan.own_lo:plan.own_hi]
+            payload = self.kernels.sparse_pack(region, plan.offsets, topk=self.topk, value_bits=self.bits)
+            for indices, values, scales in self._all_gather(payload):
+                self.kernels.sparse_unpack_accumulate(avg[plan.own_lo:plan.own_hi], plan.offsets, indices, values,
+                                                      scales, topk=self.topk, value_bits=self.bits)
+            avg.div_(self.groups.replicas)
+        if tails:  # ext is a copy: the partition's residual goes back into e
+            e.copy_(ext[:P])
+        # Hand each sending rank its residual and averaged update; take this rank's head back.
+        back, at = [], P
+        for _, n in plan.tails:
+            back.append(torch.cat([ext[at:at + n], avg[at:at + n]]))
+            at += n
+        head = self._exchange(plan, back, [2 * plan.head] if plan.head else [], reverse=True)
+        avg = avg[:P]
+        if head:
+            e[:plan.head].copy_(head[0][:plan.head])
+            avg[:plan.head].copy_(head[0][plan.head:])
+        return avg
+
+    def _exchange(self, plan: ChunkPlan, sends: List[torch.Tensor], sizes: List[int], reverse: bool = False):
+        """Point-to-point inside the replica: forward, this rank's head to its owner and the tails from the
+        ranks it owns chunks of; ``reverse``: the other way. Returns the received tensors (``sizes``)."""
+        if not sends and not sizes:
+            return []
+        ranks = self.groups.replica_ranks
+        owner_side = [ranks[t] for t, _ in plan.tails]
+        head_side = [ranks[plan.head_owner]] if plan.head else []
+        to, frm = (owner_side, head_side) if reverse else (head_side, owner_side)
+        received = [self.error[0].new_empty(n) for n in sizes]
+        ops = [tdist.P2POp(tdist.isend, t, peer, self.groups.replica_main) for t, peer in zip(sends, to)]
+        ops += [tdist.P2POp(tdist.irecv, t, peer, self.groups.replica_main) for t, peer in zip(received, frm)]
+        for work in tdist.batch_isend_irecv(ops):
+            work.wait()
+        self.boundary_bytes += sum(t.numel() * t.element_size() for t in sends)
+        return received
+
+    def _all_gather(self, payload):
+        """Every replica's ``(indices, values, scales)`` of this shard's chunks, in replica order (one all-gather
+        of the payload's bytes over the outer group)."""
+        parts = [t.contiguous().view(torch.uint8) for t in payload]
+        sizes = [t.numel() for t in parts]
+        mine = torch.cat(parts)
+        gathered = [torch.empty_like(mine) for _ in range(self.groups.replicas)]
+        tdist.all_gather(gathered, mine, group=self.groups.outer_main)
+        self.transport.bytes += mine.numel()
+        for buf in gathered:
+            out, at = [], 0
+            for t, n in zip(payload, sizes):
+                out.append(buf[at:at + n].clone().view(t.dtype))  # a copy: aligned for its dtype
+                at += n
+            yield out
+
+    # ------------------------------------------------------------------ words and figures
+    def banner(self) -> str:
+        return words.sparse_banner(self)
+
+    def report(self):
+        return words.report(self) + [("sparse outer", words.sparse_words(self.stats()))]
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update(sparse_chunk=self.chunk, sparse_topk=self.topk, sparse_value_bits=self.bits or None,
+                 sparse_error_decay=self.decay, sparse_density=self.kept / self.owned if self.owned else 0.0,
+                 sparse_payload_bytes=self.payload, sparse_dense_bytes=4 * self.owned,
+                 sparse_boundary_bytes=self.boundary_bytes, sparse_residual_norm=self.residual_norm,
+                 outer_residual_bytes=sum(e.numel() * e.element_size() for e in self.error))
+        return s
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd.update(error=[e.clone() for e in self.error], sparse=self._settings())
+        return sd
+
+    def _settings(self) -> dict:
+        return {"chunk": self.chunk, "topk": self.topk, "value_bits": self.bits, "error_decay": self.decay}
+
+    def check_kind(self, sd: dict) -> None:
+        saved = sd.get("sparse")
+        if saved is None:
+            raise ValueError(f"this checkpoint was saved by another local-SGD mode than sparseloco (no error-feedback "
+                             f"buffers): resume it with its own mode, or load only the module weights "
+                             f"(load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")
+        changed = {k: (v, self._settings()[k]) for k, v in saved.items() if k != "error_decay" and v != self._settings()[k]}
+        if changed:
+            key, (old, new) = next(iter(changed.items()))
+            raise ValueError(f"this sparseloco checkpoint was saved with acco.local_sgd.{key}={old} but this run has "
+                             f"{new}: its error-feedback buffers hold what that layout left out. Resume with "
+                             f"{key}={old}, or load only the module weights (load_optimizer_states=False)")
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: Optional[dict]) -> None:
+        super().load_state_dict(sd)
+        for dst, src in zip(self.error, sd["error"]):
+            dst.copy_(src)
+
+    def reshard_state(self, first: list, mine: list, plan) -> dict:
+        """The anchor from old replica 0; the error buffers from the mapped old replica (they are per replica,
+        the replica mapping rule), re-partitioned like the masters; the period position kept."""
+        if first[0] is None:
+            self.load_state_dict(None)  # raises: saved without a local-SGD mode
+        self.check_kind(first[0])
+        return {"schedule": mine[0]["schedule"], "replicas": self.groups.replicas, "k": self.groups.k,
+                "anchor": plan.piece([s["anchor"] for s in first]), "momentum": [], "residuals": None,
+                "error": plan.piece([s["error"] for s in mine]), "sparse": first[0]["sparse"]}
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        super().restart()
+        for e in self.error:
+            e.zero_()
+
+
+__all__ = ["SparseLoCo"]
