@@ -12,6 +12,7 @@ the block combines with the rest of ``"acco"`` (``check``).
 
 import os
 import socket
+import time
 from typing import Literal, Optional
 from urllib.parse import urlparse
 
@@ -127,17 +128,24 @@ class FaultToleranceConfig(_Documented):
 
     def check_lighthouse(self) -> str:
         """Reach the lighthouse within ``timeout_s`` (every rank, before torchft's Manager is built, so that no
-        rank hangs on a peer that failed); returns its address."""
+        rank hangs on a peer that failed); returns its address. A refused connection is tried again until then:
+        a replica started with its lighthouse (no launcher in between) may ask before it listens."""
         addr = self.resolved_lighthouse()
         url = urlparse(addr)
-        try:
-            socket.create_connection((url.hostname, url.port or 80), timeout=self.timeout_s).close()
-        except OSError as err:
-            source = "acco.fault_tolerance.lighthouse" if self.lighthouse else LIGHTHOUSE_ENV
-            raise RuntimeError(f"acco.fault_tolerance: cannot reach the torchft lighthouse at {addr} ({source}) "
-                               f"within timeout_s={self.timeout_s:g} s: {err}. Start one with "
-                               f"`{START_LIGHTHOUSE}` and point {LIGHTHOUSE_ENV} at it") from None
-        return addr
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                socket.create_connection((url.hostname, url.port or 80),
+                                         timeout=max(deadline - time.monotonic(), 0.1)).close()
+                return addr
+            except OSError as err:
+                if time.monotonic() + 0.2 < deadline:
+                    time.sleep(0.2)
+                    continue
+                source = "acco.fault_tolerance.lighthouse" if self.lighthouse else LIGHTHOUSE_ENV
+                raise RuntimeError(f"acco.fault_tolerance: cannot reach the torchft lighthouse at {addr} ({source}) "
+                                   f"within timeout_s={self.timeout_s:g} s: {err}. Start one with "
+                                   f"`{START_LIGHTHOUSE}` and point {LIGHTHOUSE_ENV} at it") from None
 
 
 __all__ = ["FaultToleranceConfig", "lighthouse_problem", "LIGHTHOUSE_ENV", "REPLICA_ENV", "START_LIGHTHOUSE"]
