@@ -69,6 +69,21 @@ def optimizer_update(opt, params, g_sum: torch.Tensor, n: int, *, commit: bool, 
     return result
 
 
+def replica_inner_step(model, params, ranks, per_rank: int, nxt: list, loss_fn, micro_batch, opt, clip, sched):
+    """One inner step of a local-SGD replica: its ranks' next ``per_rank`` micro-batches each, summed, then one
+    update with their mean (the replica's ZeRO-1 group equals one full-batch AdamW step). ``nxt``: each rank's
+    next micro-batch index, advanced."""
+    for p in params:
+        p.grad = None
+    n = 0
+    for r in ranks:
+        for _ in range(per_rank):
+            loss_fn(model, micro_batch(r, nxt[r])).backward()
+            nxt[r] += 1
+            n += 1
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    optimizer_update(opt, params, parameters_to_vector(grads), n, commit=True, clip=clip, sched=sched)
+
 class _Workers:
     """W simulated workers sharing one model; worker w reads micro-batches
     ``micro_batch(w, 0), micro_batch(w, 1), ...`` in order."""
@@ -254,16 +269,8 @@ def simulate_local_sgd(mode: str,
         x.sub_(g + outer_momentum * m if nesterov else m, alpha=outer_lr)
 
     def inner_step(g):
-        for p in params[g]:
-            p.grad = None
-        n = 0
-        for r in range(g * k, (g + 1) * k):
-            for _ in range(per_step):
-                loss_fn(replicas[g], micro_batch(r, nxt[r])).backward()
-                nxt[r] += 1
-                n += 1
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params[g]]
-        optimizer_update(opts[g], params[g], parameters_to_vector(grads), n, commit=True, clip=clip, sched=scheds[g])
+        replica_inner_step(replicas[g], params[g], range(g * k, (g + 1) * k), per_step, nxt, loss_fn, micro_batch,
+                           opts[g], clip, scheds[g])
 
     def set_replica(g, value):
         with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input

@@ -25,7 +25,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..ops import reference
-from .simulator import optimizer_update
+from .simulator import replica_inner_step
 
 
 def kept_positions(offsets: torch.Tensor, indices: torch.Tensor, topk: int) -> torch.Tensor:
@@ -74,16 +74,8 @@ def simulate_sparseloco(model: torch.nn.Module, loss_fn: Callable, micro_batch: 
     out: dict = {"replicas": [[] for _ in range(R)], "anchor": [], "errors": [[] for _ in range(R)]}
 
     def inner_step(g):
-        for p in params[g]:
-            p.grad = None
-        n = 0
-        for r in range(g * k, (g + 1) * k):
-            for _ in range(gradient_accumulation_steps):
-                loss_fn(replicas[g], micro_batch(r, nxt[r])).backward()
-                nxt[r] += 1
-                n += 1
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params[g]]
-        optimizer_update(opts[g], params[g], parameters_to_vector(grads), n, commit=True, clip=clip, sched=scheds[g])
+        replica_inner_step(replicas[g], params[g], range(g * k, (g + 1) * k), gradient_accumulation_steps, nxt,
+                           loss_fn, micro_batch, opts[g], clip, scheds[g])
 
     for step in range(1, steps + 1):
         for g in range(R):
