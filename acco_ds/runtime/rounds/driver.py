@@ -43,7 +43,7 @@ from ..comm.worker import CommWorker
 from ..comm.compression import round_codec
 from .host_memory import pin_mmap_threshold
 from .job import CommResult, KeptShard, RoundJob
-from .peers import RoundPeers
+from .peers import RoundPeers, align_rounds
 from .state import heal_state, load_heal_state
 from ..outer.interface import OuterLoop, OuterLoopHost, Shards, build_outer_loop
 from .stats import RoundLog
@@ -248,28 +248,9 @@ class RoundDriver(OuterLoopHost):
         return flats is not None
 
     def align_rounds(self, end_round) -> int:
-        """Make every rank end the same round before a read (collective over the round group).
-
-        In adaptive accumulation each rank ends its rounds on its own, so at
-        the same user-level iteration a rank may already have submitted the
-        next round's job while a peer has not: waiting for that job would
-        deadlock. Ranks a round behind close their round early with
-        ``end_round()`` (the micro-batch counts travel with the gradients, so
-        the mean stays exact). Returns the most micro-batches any rank holds
-        in its round. One all-reduce of index * 2^32 + micro-batches, after every rank has arrived
-        (``peers.RoundPeers.arrive``: a rank blocked on a job that only this rank can submit gets it first).
-        """
-        if self.peers is not None:
-            self.peers.arrive(lambda: self.schedule.index, end_round, self.acco.timeout_s)
-        key = torch.tensor([(self.schedule.index << 32) + self.local_micro], dtype=torch.int64,
-                           device=self.compute_flats[0].device)
-        tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=self.round_group)
-        value = int(key.item())
-        if self.peers is not None:
-            self.peers.forget_read()
-        if value >> 32 > self.schedule.index:  # at most one round behind: jobs pair ranks round by round
-            end_round()
-        return value & 0xFFFFFFFF
+        """Make every rank end the same round before a read (collective over the round group; see
+        ``peers.align_rounds``). Returns the most micro-batches any rank holds in its round."""
+        return align_rounds(self, end_round)
 
     def commit_everything(self, end_round) -> None:
         """End of training: end rounds (``end_round()``) until every accumulated gradient is inside the

@@ -37,6 +37,7 @@ rendezvous made), under a prefix of the round group's ranks.
 import time
 from typing import List
 
+import torch
 import torch.distributed as tdist
 
 POLL_S = 0.0005
@@ -101,6 +102,29 @@ class RoundPeers:
             self.store.delete_key(f"arrived/{self.reads}")
 
 
+def align_rounds(driver, end_round) -> int:
+    """Make every rank of ``driver``'s round group end the same round before a read (collective).
+
+    In adaptive accumulation each rank ends its rounds on its own, so at the same user-level iteration a rank
+    may already have submitted the next round's job while a peer has not: waiting for that job would
+    deadlock. Every rank first arrives (``RoundPeers.arrive``: a rank blocked on a job that only this rank can
+    submit gets it), then one all-reduce of index * 2^32 + micro-batches; ranks a round behind close their
+    round early with ``end_round()`` (the micro-batch counts travel with the gradients, so the mean stays
+    exact). Returns the most micro-batches any rank holds in its round."""
+    peers = driver.peers
+    if peers is not None:
+        peers.arrive(lambda: driver.schedule.index, end_round, driver.acco.timeout_s)
+    key = torch.tensor([(driver.schedule.index << 32) + driver.local_micro], dtype=torch.int64,
+                       device=driver.compute_flats[0].device)
+    tdist.all_reduce(key, op=tdist.ReduceOp.MAX, group=driver.round_group)
+    value = int(key.item())
+    if peers is not None:
+        peers.forget_read()
+    if value >> 32 > driver.schedule.index:  # at most one round behind: jobs pair ranks round by round
+        end_round()
+    return value & 0xFFFFFFFF
+
+
 class _Waiting:
     def __init__(self, store, key, job):
         self.store, self.key, self.job = store, key, job
@@ -112,4 +136,4 @@ class _Waiting:
         self.store.set(self.key, "-1")
 
 
-__all__ = ["RoundPeers", "default_store"]
+__all__ = ["RoundPeers", "align_rounds", "default_store"]
