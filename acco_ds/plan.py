@@ -96,7 +96,7 @@ def read_config(path: str, world: int) -> dict:
                         f"gradient_accumulation_steps {gas} x world size {world} (--nodes x --ranks-per-node), "
                         f"which DeepSpeed refuses: fix the batch sizes or the world size")
     try:
-        from deepspeed.runtime.config import DeepSpeedConfig
+        from .deepspeed.compat import DeepSpeedConfig
         body = {k: v for k, v in cfg.items() if k not in ("train_batch_size", "acco")}
         if micro is None and tbs is not None:
             body["train_micro_batch_size_per_gpu"] = max(1, tbs // (gas * world))

@@ -18,6 +18,7 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("model_parallel_group", "the tensor-parallel group (global norm)"),
         ("model_parallel_world_size", "whether tensor parallelism is on"),
         ("model_parallel_rank", "which tensor-parallel slices this rank holds"),
+        ("mpu", "the model-parallel unit: its tensor-parallel size (sparseloco refuses tensor parallelism)"),
         ("device", "where buffers live"),
         ("dtype", "the model's 16-bit dtype"),
         ("gradient_accumulation_dtype", "the accumulator dtype (data_types.grad_accum_dtype)"),

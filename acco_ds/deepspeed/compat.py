@@ -98,6 +98,7 @@ IMPORTS: Tuple[Tuple[str, str, str], ...] = (
      "deepspeed.initialize accepts it"),
     ("deepspeed.runtime.utils", "is_model_parallel_parameter", "to tell tensor-parallel slices from "
      "replicated parameters"),
+    ("deepspeed.runtime.config", "DeepSpeedConfig", "to check acco-ds plan's --config as DeepSpeed would"),
     ("deepspeed.moe.utils", "has_moe_layers", "to refuse MoE models before anything is built"),
     ("deepspeed.pipe", "PipelineModule", "to tell pipeline models apart before anything is built"),
     ("deepspeed.ops.adam", "FusedAdam", "to run the fused Peek for DeepSpeed's own Adam"),
@@ -268,6 +269,7 @@ ZeRORuntimeException = _resolved[("deepspeed.runtime.zero.utils", "ZeRORuntimeEx
 ZERO_FILE_TYPES = tuple(_resolved[(m, k)] for m, k, why in IMPORTS if why.startswith("as a plain data type"))
 load_ds_config = _resolved[("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config")]
 is_model_parallel_parameter = _resolved[("deepspeed.runtime.utils", "is_model_parallel_parameter")]
+DeepSpeedConfig = _resolved[("deepspeed.runtime.config", "DeepSpeedConfig")]
 has_moe_layers = _resolved[("deepspeed.moe.utils", "has_moe_layers")]
 PipelineModule = _resolved[("deepspeed.pipe", "PipelineModule")]
 FusedAdam = _resolved[("deepspeed.ops.adam", "FusedAdam")]
