@@ -54,7 +54,8 @@ def env(tmp_path, monkeypatch):
                 baton.release()
         else:
             baton.wait()
-        module = types.SimpleNamespace(adamw_update=None, quantize_pack=None, dequantize_accumulate=None)
+        module = types.SimpleNamespace(adamw_update=None, quantize_pack=None, dequantize_accumulate=None,
+                                       sparse_pack=None, sparse_unpack_accumulate=None)
         OpBuilder._loaded_ops[self.name] = module
         return module
 
