@@ -12,7 +12,7 @@ from dist import ROOT, run_in_session
 
 pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
 
-SECTIONS = ["environment", "build", "correctness", "timing", "training", "local_sgd", "pytest", "summary"]
+SECTIONS = ["environment", "build", "correctness", "timing", "quantization", "training", "local_sgd", "pytest", "summary"]
 MODES = ["stock", "acco", "dpu", "sync"]
 
 
@@ -42,6 +42,10 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     rows = sections["timing"]["rows"]
     assert {r["kernel"] for r in rows} == {"peek", "commit"} and sections["timing"]["copy_GBps"] > 0
     assert all(r["fused_ms"] > 0 and r["torch_ms"] > 0 and r["fused_GBps"] > 0 for r in rows)
+
+    quant = sections["quantization"]  # quantize/dequantize: native against the reference, bit for bit
+    assert quant["all_pass"] and len(quant["cases"]) == 4, quant["cases"]
+    assert all(r["GBps"] > 0 for r in quant["rows"]) and quant["peek_ms"] > 0 and quant["torch_fused_adamw_ms"] > 0
 
     training = sections["training"]
     runs = training["runs"]
