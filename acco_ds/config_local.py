@@ -77,7 +77,7 @@ class LocalSGDConfig(_Documented):
 
     replica_group_size: Optional[StrictInt] = Field(None, ge=1)
     """Ranks per replica group (k); inside a group every inner step is ZeRO-1 over the group's links.
-    ``"auto"`` (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
+    Left out (the default): the ranks per node, ``LOCAL_WORLD_SIZE``. Must divide the data-parallel
     world size and leave at least two replicas."""
 
     outer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
@@ -206,8 +206,8 @@ class CollectivesConfig(_Documented):
     group spans more than one node with more than one rank on each, else flat."""
 
     ranks_per_node: Optional[StrictInt] = Field(None, ge=1)
-    """Ranks on each node; rank r is on node r // ranks_per_node, as launchers number them. Default
-    (``"auto"``): ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (the ``deepspeed`` launcher), else
+    """Ranks on each node; rank r is on node r // ranks_per_node, as launchers number them. Left out (the
+    default): ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (the ``deepspeed`` launcher), else
     the whole world on one node. ``local_sgd.replica_group_size`` defaults to the same number."""
 
 
