@@ -69,6 +69,14 @@ def optimizer_update(opt, params, g_sum: torch.Tensor, n: int, *, commit: bool, 
     return result
 
 
+def make_replicas(model, R: int, optimizer_fn, lr_lambda, dtype):
+    """R copies of ``model`` in ``dtype``, each with its optimizer, LR scheduler (or None) and trainable
+    parameters: the replicas of a local-SGD simulator."""
+    replicas = [copy.deepcopy(model).to(dtype) for _ in range(R)]
+    opts = [optimizer_fn(rep) for rep in replicas]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) if lr_lambda is not None else None for o in opts]
+    return replicas, opts, scheds, [[p for p in rep.parameters() if p.requires_grad] for rep in replicas]
+
 def replica_inner_step(model, params, ranks, per_rank: int, nxt: list, loss_fn, micro_batch, opt, clip, sched):
     """One inner step of a local-SGD replica: its ranks' next ``per_rank`` micro-batches each, summed, then one
     update with their mean (the replica's ZeRO-1 group equals one full-batch AdamW step). ``nxt``: each rank's
@@ -246,13 +254,7 @@ def simulate_local_sgd(mode: str,
     """
     k, R = group_size, world_size // group_size
     per_step = gradient_accumulation_steps
-    replicas, opts, scheds = [], [], []
-    for _ in range(R):
-        rep = copy.deepcopy(model).to(dtype)
-        replicas.append(rep)
-        opts.append(optimizer_fn(rep))
-        scheds.append(torch.optim.lr_scheduler.LambdaLR(opts[-1], lr_lambda) if lr_lambda is not None else None)
-    params = [[p for p in rep.parameters() if p.requires_grad] for rep in replicas]
+    replicas, opts, scheds, params = make_replicas(model, R, optimizer_fn, lr_lambda, dtype)
     theta = lambda g: parameters_to_vector([p.detach() for p in params[g]]).clone()  # noqa: E731
     x = theta(0)
     m = torch.zeros_like(x)

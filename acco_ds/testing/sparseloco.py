@@ -18,14 +18,13 @@ value whose nearest level) differs between the engine's fp32 buffer and this flo
 fp32. Tests allow for such a "flip" as the compressed tests do.
 """
 
-import copy
 from typing import Callable, List, Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..ops import reference
-from .simulator import replica_inner_step
+from .simulator import make_replicas, replica_inner_step
 
 
 def kept_positions(offsets: torch.Tensor, indices: torch.Tensor, topk: int) -> torch.Tensor:
@@ -59,13 +58,7 @@ def simulate_sparseloco(model: torch.nn.Module, loss_fn: Callable, micro_batch: 
     "errors": [[e_g after each sync]] per replica}`` as flat vectors in ``dtype``.
     """
     k, R = group_size, world_size // group_size
-    replicas, opts, scheds = [], [], []
-    for _ in range(R):
-        rep = copy.deepcopy(model).to(dtype)
-        replicas.append(rep)
-        opts.append(optimizer_fn(rep))
-        scheds.append(torch.optim.lr_scheduler.LambdaLR(opts[-1], lr_lambda) if lr_lambda is not None else None)
-    params = [[p for p in rep.parameters() if p.requires_grad] for rep in replicas]
+    replicas, opts, scheds, params = make_replicas(model, R, optimizer_fn, lr_lambda, dtype)
     theta = lambda g: parameters_to_vector([p.detach() for p in params[g]]).clone()  # noqa: E731
     offsets = reference.chunk_offsets([p.numel() for p in params[0]], chunk)
     x = theta(0)
