@@ -74,9 +74,10 @@ class RoundDriver(OuterLoopHost):
         self.kernels = ops.load_kernels(acco.kernels, device, jit=jit)
         self.update = ShardUpdate(optimizer, masters, self.kernels, fused_adamw=fused_adamw)
         self.world_size, self.rank = tdist.get_world_size(group), tdist.get_rank(group)
-        self.comm = CommWorker(tdist.get_process_group_ranks(group), device, acco.timeout_s, group=side)
+        ranks = tdist.get_process_group_ranks(group)
+        self.comm = CommWorker(ranks, device, acco.timeout_s, group=side)
         # Adaptive accumulation: ranks end rounds on their own, so reads meet through the store (peers.py).
-        self.peers = RoundPeers(tdist.get_process_group_ranks(group), self.rank) if self.schedule.adaptive else None
+        self.peers = RoundPeers(ranks, self.rank) if self.schedule.adaptive else None
         self.layout = layout
         if device.type == "cpu":
             pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.rounds.host_memory)
