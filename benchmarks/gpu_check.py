@@ -47,6 +47,8 @@ p.add_argument("--out", default="gpu_check.json")
 p.add_argument("--skip-pytest", action="store_true", help="do not run the kernel tests")
 p.add_argument("--skip-local-sgd", action="store_true", help="leave out the local-SGD section (with one GPU it "
                "runs on CPU/gloo)")
+p.add_argument("--repeats", type=int, default=None, help="runs of every mode, interleaved (stock, acco, dpu, "
+               "sync, stock, ...); each mode's fastest counts (default 2 on CUDA, 1 on the CPU)")
 p.add_argument("--profile", action="store_true", help="profile micro-batches 2-8 after warm-up of every run")
 p.add_argument("--budget-s", type=float, default=450.0, help="the pytest section gets what is left of this")
 args = p.parse_args()
@@ -72,6 +74,7 @@ SHAPE = gpu_model.TINY_SHAPE if TINY else gpu_model.GPT2_SMALL
 DTYPE = "bf16"  # on CPU too: the tiny model is small enough
 LR = 3e-3 if TINY else 6e-4
 WARM_STEPS = 2 if TINY else 10  # excluded from tokens/s
+REPEATS = args.repeats or (2 if CUDA else 1)
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.25, step=10)
 RESULT = {"command": shlex.join([sys.executable] + sys.argv), "device": DEV, "tiny": TINY, "sections": {}}
 
@@ -379,20 +382,28 @@ def training():
     DATA["corpus"] = load_corpus(1_000_000 if TINY else 8_000_000)
     log(f"GPT {sum(q.numel() for q in GPT(**SHAPE).parameters()) / 1e6:.1f}M params {SHAPE}, {DTYPE}, micro-batch "
         f"{MICRO} x {GAS}, {STEPS} steps ({WARM_STEPS} warm-up), corpus {len(DATA['corpus']):,} bytes")
-    runs, errors = train_modes(["stock", "acco", "dpu", "sync"])
-    if CUDA and "stock" in runs:  # run-to-run noise of stock itself (nondeterministic GPU kernels)
-        again, more = train_modes(["stock"])
-        errors.update({"stock_repeat": e for e in more.values()})
-        if "stock" in again:
-            runs["stock_repeat"] = again["stock"]
+    # Interleaved repeats: a slow spell of the machine (clocks, another tenant) hits every mode alike; each
+    # mode's fastest run counts, and the spread of stock's own runs is the noise floor of the comparison.
+    runs, errors, every = {}, {}, {}
+    for _ in range(REPEATS):
+        got, failed = train_modes(["stock", "acco", "dpu", "sync"])
+        errors.update(failed)
+        for mode, run in got.items():
+            every.setdefault(mode, []).append(run)
+    for mode, all_runs in every.items():
+        runs[mode] = max(all_runs, key=lambda r: r["tokens_per_s"])
+        runs[mode]["tokens_per_s_all"] = [r["tokens_per_s"] for r in all_runs]
+    if len(every.get("stock", [])) >= 2:
+        first, second = every["stock"][:2]
+        runs["stock"]["stock_vs_stock_max_loss_diff"] = max(abs(a - b) for a, b in zip(first["losses"],
+                                                                                         second["losses"]))
     out = {"model": SHAPE, "dtype": DTYPE, "micro_batch": MICRO, "gradient_accumulation_steps": GAS,
-           "steps": STEPS, "warmup_steps": WARM_STEPS, "runs": runs, "errors": errors}
+           "steps": STEPS, "repeats": REPEATS, "warmup_steps": WARM_STEPS, "runs": runs, "errors": errors}
     if "stock" in runs and "sync" in runs:
         out["sync_vs_stock_max_loss_diff"] = max(abs(a - b) for a, b in zip(runs["sync"]["losses"],
                                                                               runs["stock"]["losses"]))
-        if "stock_repeat" in runs:
-            out["stock_vs_stock_max_loss_diff"] = max(abs(a - b) for a, b in zip(runs["stock_repeat"]["losses"],
-                                                                                   runs["stock"]["losses"]))
+        if "stock_vs_stock_max_loss_diff" in runs["stock"]:
+            out["stock_vs_stock_max_loss_diff"] = runs["stock"]["stock_vs_stock_max_loss_diff"]
     if errors:  # the runs that worked stay in the JSON
         out.update(ok=False, error=f"training failed for {sorted(errors)}: see errors")
     return out
@@ -427,24 +438,38 @@ if args.skip_local_sgd:
 else:
     section("local_sgd", local_sgd)
 
-# ------------------------------------------------ c (end). tests/test_kernels.py, tests/test_sparse_kernels.py
+# ------------------------------------------------ c (end). the kernel tests (KERNEL_TESTS)
+
+
+KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_quant_kernels.py", "tests/test_sparse_kernels.py"]
 
 
 def pytest_section():
+    """The kernel tests, CPU and CUDA cases. They run the way the DeepSpeed host loads ops: DeepSpeed imported
+    first (so a missing ahead-of-time module is JIT-built) and the CPU op built here first, so that a build
+    failure shows in this JSON with its message rather than as every test's error."""
     if args.skip_pytest:
         return {"skipped": True}
+    from acco_ds import ops
+    t = time.perf_counter()
+    try:
+        ops.load_kernels("native", "cpu", jit=True)
+        cpu_op = {"cpu_op": "built", "cpu_op_build_s": round(time.perf_counter() - t, 2)}
+    except Exception as err:  # noqa: BLE001 - recorded; the tests then show what else fails
+        cpu_op = {"cpu_op": f"FAILED: {type(err).__name__}: {err}"[:2000]}
+    log(f"cpu op for the kernel tests: {cpu_op}")
     timeout = max(60.0, min(300.0, args.budget_s - (time.perf_counter() - T0)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-           "tests/test_sparse_kernels.py"]
+    runner = "import sys, deepspeed, pytest; sys.exit(pytest.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", runner, "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short"] + KERNEL_TESTS
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"skipped": False, "returncode": None, "last_line": f"timed out after {timeout:.0f} s"}
+        return {**cpu_op, "skipped": False, "returncode": None, "last_line": f"timed out after {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    log(f"pytest tests/test_kernels.py tests/test_sparse_kernels.py: {lines[-1] if lines else '(no output)'}")
-    return {"skipped": False, "returncode": proc.returncode, "last_line": lines[-1] if lines else None,
-            "tail": (proc.stdout + proc.stderr)[-3000:] if proc.returncode else None}
+    log(f"pytest {' '.join(KERNEL_TESTS)}: {lines[-1] if lines else '(no output)'}")
+    return {**cpu_op, "skipped": False, "returncode": proc.returncode, "last_line": lines[-1] if lines else None,
+            "tail": (proc.stdout + proc.stderr)[-8000:] if proc.returncode else None}
 
 
 section("pytest", pytest_section)

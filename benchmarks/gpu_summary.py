@@ -16,7 +16,7 @@ def summary_rows(S, CUDA):
     rows.append(("adamw_update vs reference", f"{sum(x['pass'] for x in c.get('cases', []))}/"
                  f"{len(c.get('cases', []))} cases pass", "all", verdict(c.get("all_pass", False))))
     t = S["pytest"]
-    rows.append(("tests/test_(sparse_)kernels.py", "skipped" if t.get("skipped") else str(t.get("last_line")),
+    rows.append(("kernel tests (CPU + CUDA)", "skipped" if t.get("skipped") else str(t.get("last_line")),
                  "passed",
                  "n/a" if t.get("skipped") else verdict(t.get("returncode") == 0)))
     tm = S["timing"].get("rows", [])
@@ -43,6 +43,10 @@ def summary_rows(S, CUDA):
             rel = r["tokens_per_s"] / runs["stock"]["tokens_per_s"] - 1
             rows.append((f"{mode} vs stock tokens/s", f"{100 * rel:+.1f}%", ">= -5%", verdict(rel >= -0.05 if CUDA else None)))
     stock = runs.get("stock")
+    if stock and len(stock.get("tokens_per_s_all", [])) >= 2:
+        spread = max(stock["tokens_per_s_all"]) / min(stock["tokens_per_s_all"]) - 1
+        rows.append(("stock's own runs (noise)", f"{100 * spread:.1f}% apart: "
+                     + ", ".join(f"{x:,.0f}" for x in stock["tokens_per_s_all"]) + " tok/s", "-", "n/a"))
     for mode, r in runs.items():
         hidden = "" if r["hidden_comm_fraction"] is None else f", {100 * r['hidden_comm_fraction']:.0f}% comm hidden"
         rows.append((f"train {mode}", f"{r['tokens_per_s']:,.0f} tok/s, loss {r['losses'][0]:.3f} -> "

@@ -44,7 +44,8 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert all(r["fused_ms"] > 0 and r["torch_ms"] > 0 and r["fused_GBps"] > 0 for r in rows)
 
     quant = sections["quantization"]  # quantize/dequantize: native against the reference, bit for bit
-    assert quant["all_pass"] and len(quant["cases"]) == 4, quant["cases"]
+    assert quant["all_pass"] and len(quant["cases"]) == 8, quant["cases"]  # int8, fp8 x 4 layouts
+    assert all(c["reference_on_device_equals_cpu"] for c in quant["cases"]), quant["cases"]
     assert all(r["GBps"] > 0 for r in quant["rows"]) and quant["peek_ms"] > 0 and quant["torch_fused_adamw_ms"] > 0
 
     training = sections["training"]

@@ -25,7 +25,7 @@ HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, grad_scale=0.25)
 @pytest.fixture(scope="module")
 def native():
     # A build failure must fail these tests (CI has a compiler), not skip them.
-    return ops.load_kernels("native", "cpu")
+    return ops.load_kernels("native", "cpu", jit=True)
 
 
 def adam_inputs(n, seed, device="cpu"):
@@ -213,7 +213,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA de
 @cuda_only
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 def test_cuda_adamw_update_matches_reference(out_dtype):
-    cuda = ops.load_kernels("native", "cuda")
+    cuda = ops.load_kernels("native", "cuda", jit=True)
     for n, commit, (adamw, weight_decay, step) in itertools.product(SIZES, [True, False], ADAM_CASES):
         kw = dict(HYPER, step=step, weight_decay=weight_decay, adamw=adamw, commit=commit)
         want = adam_inputs(n, step, "cuda")

@@ -18,7 +18,7 @@ WIRES = ["int8", "fp8"]
 
 @pytest.fixture(scope="module")
 def native():
-    return ops.load_kernels("native", "cpu")  # a build failure fails these tests (CI has a compiler)
+    return ops.load_kernels("native", "cpu", jit=True)  # a build failure fails these tests (CI has a compiler)
 
 
 # torch's vectorized CPU casts (AVX2/AVX-512) write every NaN as bf16 0xFFFF; the CPU kernels do the same, so
@@ -257,9 +257,15 @@ def test_stale_module_is_reported(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("wire, x_dtype, residual_dtype", list(itertools.product(WIRES, X_DTYPES, RESIDUALS)))
 def test_cuda_kernels_match_the_reference(wire, x_dtype, residual_dtype):
-    cuda = ops.load_kernels("native", "cuda")
-    for n, block in ((1000, 256), (2**20 + 5, 256), (777, 8)):
-        x = values(n, n, x_dtype)
-        want = run(ops.TORCH, x, residual_dtype, wire, block)
-        got = [None if t is None else t.cpu() for t in run(cuda, x.cuda(), residual_dtype, wire, block)]
-        assert all(same(a, b, strict_nan=False) for a, b in zip(got, want)), (n, block)
+    cuda = ops.load_kernels("native", "cuda", jit=True)
+    # Blocks of 128..1024 take the warp-per-block kernel (whole blocks) and the block kernel (a shorter last
+    # block); other sizes, and a misaligned start (offset 1), the block kernel alone.
+    for n, block, offset in ((1000, 256, 0), (2**20 + 5, 256, 0), (777, 8, 0), (3 * 128 + 5, 128, 0),
+                             (2**16 + 100, 1024, 0), (4 * 512, 512, 0), (2**12 + 9, 256, 1)):
+        x_dev = values(n + offset, n, x_dtype).cuda()[offset:]  # offset 1: x starts off a 16-byte boundary
+        if n > 2000:
+            x_dev[1100] = float("nan") if x_dtype != torch.float16 else float("inf")  # a non-finite block
+        want = run(ops.TORCH, x_dev.cpu(), residual_dtype, wire, block)
+        got = [None if t is None else t.cpu() for t in run(cuda, x_dev, residual_dtype, wire, block)]
+        for name, a, b in zip(("q", "scales", "residual"), got, want):
+            assert same(a, b, strict_nan=False), f"{name} differs: n={n} block={block} offset={offset}"

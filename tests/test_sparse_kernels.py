@@ -23,7 +23,7 @@ BITS = [0, 2, 4, 8]
 
 @pytest.fixture(scope="module")
 def native():
-    return ops.load_kernels("native", "cpu")  # a build failure fails these tests (CI has a compiler)
+    return ops.load_kernels("native", "cpu", jit=True)  # a build failure fails these tests (CI has a compiler)
 
 
 def same(a, b):
@@ -101,7 +101,7 @@ def test_random_layouts_match_the_reference(native, numels, chunk, topk, bits, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (gpu_check.py runs the same comparison)")
 @pytest.mark.parametrize("bits", BITS)
 def test_cuda_kernels_match_the_reference_bit_for_bit(bits):
-    cuda = ops.load_kernels("native", "cuda")
+    cuda = ops.load_kernels("native", "cuda", jit=True)
     for numels, chunk, topk in [([10, 3, 9000, 5], 4096, 64), ([5000, 4096], 4096, 4096), ([70000], 65536, 700),
                                 ([65536], 65536, 65536), ([1, 1, 2], 3, 2), ([2**20 + 3], 4096, 64)]:
         e = errors(sum(numels), seed=chunk + topk + bits)

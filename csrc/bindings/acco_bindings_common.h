@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 
 #include "../acco_common.h"
@@ -11,6 +12,18 @@
 
 namespace acco {
 namespace bindings {
+
+// A number for an error message, as text. TORCH_CHECK streams its arguments into a std::ostringstream; on the GPU
+// image (this op built by Ubuntu's g++ 13.3 against a torch 2.11 wheel built with gcc-toolset-13) streaming an
+// integer there crashed the process (SIGSEGV) where strings did not, so numbers go in as digits from snprintf.
+struct Num {
+  char text[24];
+};
+inline Num num(int64_t v) {
+  Num r;
+  std::snprintf(r.text, sizeof r.text, "%lld", static_cast<long long>(v));
+  return r;
+}
 
 inline int dtype_code(const torch::Tensor& t) {
   switch (t.scalar_type()) {
@@ -35,11 +48,13 @@ inline void check_adam_args(const torch::Tensor& master, const torch::Tensor& gr
                     std::make_pair(&v, "exp_avg_sq")}) {
     check_flat(*pair.first, pair.second, device);
     TORCH_CHECK(pair.first->scalar_type() == torch::kFloat32, pair.second, " must be float32");
-    TORCH_CHECK(pair.first->numel() == n, pair.second, " has ", pair.first->numel(), " elements, master has ", n);
+    TORCH_CHECK(pair.first->numel() == n, pair.second, " has ", num(pair.first->numel()).text,
+                " elements, master has ", num(n).text);
   }
   if (out.has_value()) {
     check_flat(*out, "out", device);
-    TORCH_CHECK(out->numel() == n, "out has ", out->numel(), " elements, master has ", n);
+    TORCH_CHECK(out->numel() == n, "out has ", num(out->numel()).text, " elements, master has ",
+                num(n).text);
     dtype_code(*out);
   }
 }
@@ -58,24 +73,25 @@ inline int64_t num_blocks(int64_t n, int64_t block) { return n == 0 ? 0 : (n - 1
 inline void check_quant_args(const torch::Tensor& x, const char* x_name, const std::optional<torch::Tensor>& residual,
                              const torch::Tensor& q, const torch::Tensor& scales, int64_t block,
                              torch::DeviceType device) {
-  TORCH_CHECK(block >= 1, "block_size must be positive, got ", block);
+  TORCH_CHECK(block >= 1, "block_size must be positive, got ", num(block).text);
   const int64_t n = x.numel();
   check_flat(x, x_name, device);
   dtype_code(x);
   check_flat(q, "q", device);
   qtype_code(q);
-  TORCH_CHECK(q.numel() == n, "q has ", q.numel(), " elements, ", x_name, " has ", n);
+  TORCH_CHECK(q.numel() == n, "q has ", num(q.numel()).text, " elements, ", x_name, " has ", num(n).text);
   check_flat(scales, "scales", device);
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales must be float32, got ", scales.scalar_type());
-  TORCH_CHECK(scales.numel() == num_blocks(n, block), "scales has ", scales.numel(), " elements, ",
-              num_blocks(n, block), " blocks of ", block, " expected");
+  TORCH_CHECK(scales.numel() == num_blocks(n, block), "scales has ", num(scales.numel()).text, " elements, ",
+              num(num_blocks(n, block)).text, " blocks of ", num(block).text, " expected");
   TORCH_CHECK(q.device() == x.device() && scales.device() == x.device(), "q and scales must be on ", x_name,
               "'s device ", x.device(), ", got ", q.device(), " and ", scales.device());
   if (residual.has_value()) {
     check_flat(*residual, "residual", device);
     TORCH_CHECK(residual->scalar_type() == torch::kFloat32 || residual->scalar_type() == torch::kBFloat16,
                 "residual must be float32 or bfloat16, got ", residual->scalar_type());
-    TORCH_CHECK(residual->numel() == n, "residual has ", residual->numel(), " elements, ", x_name, " has ", n);
+    TORCH_CHECK(residual->numel() == n, "residual has ", num(residual->numel()).text, " elements, ", x_name,
+                " has ", num(n).text);
     TORCH_CHECK(residual->device() == x.device(), "residual must be on ", x_name, "'s device ", x.device(),
                 ", got ", residual->device());
   }
@@ -92,11 +108,12 @@ struct SparseLayout {
 
 inline SparseLayout sparse_layout(const torch::Tensor& offsets, int64_t numel, int64_t topk, int64_t value_bits) {
   TORCH_CHECK(value_bits == 0 || value_bits == 2 || value_bits == 4 || value_bits == 8,
-              "value_bits must be one of 2, 4, 8 or 0 (fp32 values), got ", value_bits);
-  TORCH_CHECK(topk >= 0, "topk must be >= 0, got ", topk);
+              "value_bits must be one of 2, 4, 8 or 0 (fp32 values), got ", num(value_bits).text);
+  TORCH_CHECK(topk >= 0, "topk must be >= 0, got ", num(topk).text);
   TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 && offsets.numel() >= 1,
               "offsets must be a 1-D int64 tensor of chunks + 1 bounds (reference.chunk_offsets), got ",
-              offsets.scalar_type(), " of shape ", offsets.sizes());
+              offsets.scalar_type(), " with ", num(offsets.dim()).text, " dimensions and ", num(offsets.numel()).text,
+              " elements");
   const torch::Tensor host = offsets.to(torch::kCPU).contiguous();
   const int64_t chunks = host.numel() - 1;
   SparseLayout layout;
@@ -104,15 +121,16 @@ inline SparseLayout sparse_layout(const torch::Tensor& offsets, int64_t numel, i
   layout.table = torch::empty({3, chunks + 1}, torch::kInt64);
   const int64_t* off = host.data_ptr<int64_t>();
   int64_t* out = layout.table.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] >= 0 && off[chunks] <= numel, "offsets must lie in [0, ", numel, "] (the tensor's elements), got ",
-              off[0], " .. ", off[chunks]);
+  TORCH_CHECK(off[0] >= 0 && off[chunks] <= numel, "offsets must lie in [0, ", num(numel).text,
+              "] (the tensor's elements), got ", num(off[0]).text, " .. ", num(off[chunks]).text);
   out[chunks + 1] = out[2 * (chunks + 1)] = 0;
   for (int64_t c = 0; c <= chunks; ++c) {
     out[c] = off[c];
     if (c == chunks) break;
     const int64_t len = off[c + 1] - off[c];
-    TORCH_CHECK(len >= 0 && len <= kMaxSparseChunk, "chunk ", c, " has ", len, " elements (offsets ", off[c], ", ",
-                off[c + 1], "): chunks must hold 0 to ", kMaxSparseChunk, " elements (indices travel as 16 bits)");
+    TORCH_CHECK(len >= 0 && len <= kMaxSparseChunk, "chunk ", num(c).text, " has ", num(len).text,
+                " elements (offsets ", num(off[c]).text, ", ", num(off[c + 1]).text, "): chunks must hold 0 to ",
+                num(kMaxSparseChunk).text, " elements (indices travel as 16 bits)");
     const int64_t kept = std::min(len, topk);
     out[chunks + 1 + c + 1] = out[chunks + 1 + c] + kept;
     out[2 * (chunks + 1) + c + 1] = out[2 * (chunks + 1) + c] + (value_bits ? (kept * value_bits + 7) / 8 : 4 * kept);
@@ -127,8 +145,8 @@ inline void check_sparse_tensor(const torch::Tensor& t, const char* name, torch:
   check_flat(t, name, device);
   TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, the layout of these offsets, topk and "
-              "value_bits needs ", numel);
+  TORCH_CHECK(t.numel() == numel, name, " has ", num(t.numel()).text,
+              " elements, the layout of these offsets, topk and value_bits needs ", num(numel).text);
 }
 
 // sparse_unpack_accumulate's payload against the layout its offsets, topk and value_bits give.

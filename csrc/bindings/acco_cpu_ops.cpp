@@ -62,8 +62,9 @@ void sparse_unpack_accumulate(torch::Tensor out, torch::Tensor offsets, torch::T
   const int64_t bad = acco::cpu::sparse_unpack_accumulate(
       out.data_ptr<float>(), t, t + row, t + 2 * row, layout.chunks, indices.data_ptr<int16_t>(), values.data_ptr(),
       value_bits ? scales.data_ptr<float>() : nullptr, static_cast<int>(value_bits), static_cast<float>(weight));
-  TORCH_CHECK(bad == 0, bad, " indices point past the end of their chunk: the payload does not belong to these "
-              "offsets (the other ", layout.entries - bad, " entries were added to out)");
+  TORCH_CHECK(bad == 0, acco::bindings::num(bad).text, " indices point past the end of their chunk: the payload "
+              "does not belong to these offsets (the other ", acco::bindings::num(layout.entries - bad).text,
+              " entries were added to out)");
 }
 
 }  // namespace

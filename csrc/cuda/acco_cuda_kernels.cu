@@ -6,8 +6,10 @@
 //
 // adam_kernel: one grid-stride pass, 4 elements per thread with 16-byte loads
 // when every pointer is aligned (flat ZeRO partitions are), scalar tail.
-// quantize_kernel: one thread block per quantization block (max |v| by a
-// warp-shuffle reduction, then each thread quantizes its strided values);
+// quantize_warp_kernel: a warp per quantization block of 128..1024 elements
+// (vector loads into registers, a warp-shuffle max, one read of memory);
+// quantize_kernel, for other block sizes and a shorter last block: one thread
+// block per quantization block (a block-wide max, then a second read);
 // dequantize_kernel: one grid-stride pass. Both round every float operation
 // on its own (add_rn, mul_rn, div_rn in acco_common.h), in the reference's
 // order, so that they agree bit for bit with the torch reference on CPU
@@ -166,6 +168,80 @@ __global__ void quantize_kernel(const void* __restrict__ x, void* __restrict__ r
   }
 }
 
+// 4 consecutive elements as floats, with one 16-byte (fp32) or 8-byte (bf16/fp16) load; DType < 0: zeros.
+template <int DType>
+__device__ __forceinline__ float4 load4(const void* p, int64_t j) {
+  if constexpr (DType == kFloat32) {
+    return reinterpret_cast<const float4*>(p)[j];
+  } else if constexpr (DType < 0) {
+    return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  } else {
+    const uint2 u = reinterpret_cast<const uint2*>(p)[j];
+    const uint16_t h[4] = {static_cast<uint16_t>(u.x), static_cast<uint16_t>(u.x >> 16),
+                           static_cast<uint16_t>(u.y), static_cast<uint16_t>(u.y >> 16)};
+    return make_float4(load_as_float<DType>(h, 0), load_as_float<DType>(h, 1), load_as_float<DType>(h, 2),
+                       load_as_float<DType>(h, 3));
+  }
+}
+
+// One element of quantize_warp_kernel: as quantize_kernel's inner loop (the same calls, the same order).
+template <int QT>
+__device__ __forceinline__ uint32_t quantize_one(float v, float s, bool quantize, float& residual_out) {
+  float sent = mul_rn(0.0f, s);
+  uint8_t byte = 0;
+  if (quantize) byte = quantize_value<QT>(v, s, sent);
+  residual_out = sub_rn(v, sent);
+  return byte;
+}
+
+// A warp per quantization block of 32 * VPT elements (block sizes 128, 256, 512, 1024): each lane loads its
+// VPT values once, 4 at a time with vector loads (a warp reads 32 consecutive groups of 4), the max is a
+// warp shuffle (no shared memory, no __syncthreads), and the values are quantized from registers. Only
+// whole blocks; the launcher gives a shorter last block to quantize_kernel. The arithmetic is
+// quantize_kernel's, element for element, so both agree bit for bit with the reference.
+template <int XD, int RD, int QT, int VPT>
+__global__ void quantize_warp_kernel(const void* __restrict__ x, void* __restrict__ residual,
+                                     uint8_t* __restrict__ q, float* __restrict__ scales, int64_t nb) {
+  constexpr int kGroups = VPT / 4;  // groups of 4 per lane
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; b < nb; b += warps) {
+    float4 v[kGroups];
+    float amax = 0.0f;
+    int finite = 1;
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) {
+      const int64_t j = (b * kGroups + c) * 32 + lane;
+      float4 a = load4<XD>(x, j);
+      if constexpr (RD >= 0) {  // x alone keeps -0.0 (load_v)
+        const float4 r = load4<RD>(residual, j);
+        a = make_float4(add_rn(a.x, r.x), add_rn(a.y, r.y), add_rn(a.z, r.z), add_rn(a.w, r.w));
+      }
+      v[c] = a;
+      finite &= (isfinite(a.x) && isfinite(a.y) && isfinite(a.z) && isfinite(a.w)) ? 1 : 0;
+      amax = fmaxf(fmaxf(amax, fmaxf(fabsf(a.x), fabsf(a.y))), fmaxf(fabsf(a.z), fabsf(a.w)));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+      finite &= __shfl_xor_sync(0xFFFFFFFFu, finite, offset);
+    }
+    const float s = block_scale<QT>(amax, finite != 0);
+    if (lane == 0) scales[b] = s;
+    const bool quantize = finite && s != 0.0f;
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) {
+      const int64_t j = (b * kGroups + c) * 32 + lane;
+      float4 r;
+      const uint32_t bytes = quantize_one<QT>(v[c].x, s, quantize, r.x) |
+                             (quantize_one<QT>(v[c].y, s, quantize, r.y) << 8) |
+                             (quantize_one<QT>(v[c].z, s, quantize, r.z) << 16) |
+                             (quantize_one<QT>(v[c].w, s, quantize, r.w) << 24);
+      reinterpret_cast<uint32_t*>(q)[j] = bytes;
+      if constexpr (RD >= 0) store4<RD>(residual, j, r);
+    }
+  }
+}
+
 template <int QT, int OD>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales,
                                   void* __restrict__ out, int64_t n, int64_t block) {
@@ -175,18 +251,51 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __
   }
 }
 
+template <int XD, int RD, int QT>
+void launch_warp_quantize(int vpt, unsigned grid, const void* x, void* r, uint8_t* q, float* scales, int64_t nb,
+                          cudaStream_t stream) {
+  switch (vpt) {
+    case 4: return quantize_warp_kernel<XD, RD, QT, 4><<<grid, kThreads, 0, stream>>>(x, r, q, scales, nb);
+    case 8: return quantize_warp_kernel<XD, RD, QT, 8><<<grid, kThreads, 0, stream>>>(x, r, q, scales, nb);
+    case 16: return quantize_warp_kernel<XD, RD, QT, 16><<<grid, kThreads, 0, stream>>>(x, r, q, scales, nb);
+    default: return quantize_warp_kernel<XD, RD, QT, 32><<<grid, kThreads, 0, stream>>>(x, r, q, scales, nb);
+  }
+}
+
 template <int XD, int RD>
 void launch_quantize(const void* x, void* r, uint8_t* q, int q_type, float* scales, int64_t n, int64_t block,
                      cudaStream_t stream) {
-  const int64_t nb = (n - 1) / block + 1;
+  // Whole blocks of 128..1024 elements with aligned pointers: a warp per block (quantize_warp_kernel).
+  const int64_t whole = n / block;
+  const int x_size = XD == kFloat32 ? 4 : 2, r_size = RD == kFloat32 ? 4 : 2;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % (4 * x_size) == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+                       (RD < 0 || reinterpret_cast<uintptr_t>(r) % (4 * r_size) == 0);
+  const int vpt = block == 128 ? 4 : block == 256 ? 8 : block == 512 ? 16 : block == 1024 ? 32 : 0;
+  int64_t done = 0;
+  if (vpt != 0 && aligned && whole > 0) {
+    const unsigned wgrid = static_cast<unsigned>(std::min<int64_t>((whole + 7) / 8, int64_t{1} << 20));  // 8 warps
+    if (q_type == kInt8) {
+      launch_warp_quantize<XD, RD, kInt8>(vpt, wgrid, x, r, q, scales, whole, stream);
+    } else {
+      launch_warp_quantize<XD, RD, kFp8E4M3>(vpt, wgrid, x, r, q, scales, whole, stream);
+    }
+    done = whole * block;
+    if (done == n) return;
+    x = static_cast<const char*>(x) + done * x_size;
+    if (RD >= 0) r = static_cast<char*>(r) + done * r_size;
+    q += done;
+    scales += whole;
+  }
+  const int64_t rest = n - done;
+  const int64_t nb = (rest - 1) / block + 1;
   // Threads: the block size rounded up to whole warps (short blocks leave no idle warps), at most kThreads.
   int threads = 32;
   while (threads < kThreads && threads < block) threads *= 2;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(nb, int64_t{1} << 20));
   if (q_type == kInt8) {
-    quantize_kernel<XD, RD, kInt8><<<grid, threads, 0, stream>>>(x, r, q, scales, n, block, nb);
+    quantize_kernel<XD, RD, kInt8><<<grid, threads, 0, stream>>>(x, r, q, scales, rest, block, nb);
   } else {
-    quantize_kernel<XD, RD, kFp8E4M3><<<grid, threads, 0, stream>>>(x, r, q, scales, n, block, nb);
+    quantize_kernel<XD, RD, kFp8E4M3><<<grid, threads, 0, stream>>>(x, r, q, scales, rest, block, nb);
   }
 }
 
