@@ -44,8 +44,8 @@ def parse_bandwidth(text: str, flag: str) -> float:
     return value
 
 
-def parse_count(text: str, flag: str, integer: bool = False, suffix: str = "") -> float:
-    """A positive count such as 7e9, 7b, 1.3B, 4m, 989e12, 989tflops."""
+def parse_count(text: str, flag: str, integer: bool = False, suffix: str = "", at_least=None, why="") -> float:
+    """A positive count such as 7e9, 7b, 1.3B, 4m, 989e12, 989tflops (and >= ``at_least``, ``why`` says why)."""
     t = str(text).strip().lower()
     if suffix and t.endswith(suffix):
         t = t[:-len(suffix)]
@@ -57,6 +57,8 @@ def parse_count(text: str, flag: str, integer: bool = False, suffix: str = "") -
         raise PlanError(f"{flag} must be positive, got {text!r}")
     if integer and value != int(value):
         raise PlanError(f"{flag} must be a whole number, got {text!r}")
+    if at_least is not None and value < at_least:
+        raise PlanError(f"{flag} {text!r} must be >= {at_least:g} ({why})")
     return int(value) if integer else value
 
 
@@ -173,8 +175,7 @@ def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = Tru
     for m, fig in rows:
         block = acco_block(m, inp, fig)
         refused = check_block(block, gas, inp.world)
-        out.append({"name": m.name, "mode": m.mode, "acco": block,
-                    "sync_every": m.sync_every, **{k: fig[k] for k in (
+        out.append({"name": m.name, "mode": m.mode, "acco": block, "sync_every": m.sync_every, **{k: fig[k] for k in (
                         "compute_s", "step_s", "exposed_comm_s", "compute_utilization", "inter_bytes_per_step",
                         "inter_bytes_per_sync", "peak_burst_bytes")},
                     "memory_per_rank_bytes": memory_bytes(m, inp, grad_accum_dtype),
@@ -200,10 +201,10 @@ def table(result: dict) -> str:
     inp = result["inputs"]
     stock = next(r for r in result["modes"] if r["name"] == "zero1")["time_to_tokens_s"]
     lines = [f"acco-ds plan: {inp['params'] / 1e9:.3g}B params, {inp['nodes']} node(s) x {inp['ranks_per_node']} "
-             f"ranks, "
-             f"{inp['tokens_per_step']:.4g} tokens/step, {inp['total_tokens']:.4g} tokens, {inp['dtype']}, inter "
-             f"{inp['inter_bps'] / 1e9:g} Gbit/s + {inp['inter_latency_s'] * 1e3:g} ms, intra "
-             f"{inp['intra_bps'] / 1e9:g} Gbit/s, compute {inp['compute_s']:.4g} s/step",
+             f"ranks, {inp['tokens_per_step']:.4g} tokens/step, {inp['total_tokens']:.4g} tokens, {inp['dtype']}, "
+             f"inter {inp['inter_bps'] / 1e9:g} Gbit/s + {inp['inter_latency_s'] * 1e3:g} ms, intra "
+             f"{inp['intra_bps'] / 1e9:g} Gbit/s, compute {inp['compute_s']:.4g} s/step, overlap slowdown "
+             f"(kappa, lambda) {inp['overlap_compute']:.3g}, {inp['overlap_comm']:.3g}",
              f"{'mode':<20}{'H':>5}{'step s':>9}{'exposed':>9}{'util':>6}{'MB/step':>10}{'MB/sync':>10}"
              f"{'peak MB':>10}{'GB/rank':>8}{'tokens x':>9}{'to tokens':>11}{'vs zero1':>9}"]
     for r in result["modes"]:
@@ -253,6 +254,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="the DeepSpeed config: micro-batch, accumulation, stage, dtype")
     p.add_argument("--token-factor", nargs="+", action="extend", default=[], metavar="MODE=F",
                    help="override a token factor (local SGD: at H=8), e.g. diloco=1.1 'diloco int8=1.2'")
+    for x, what in (("compute", "kappa: compute's"), ("comm", "lambda: communication's")):
+        p.add_argument(f"--overlap-{x}-factor", default="1.0", help=f"{what} slowdown if overlapped, >= 1 (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON only")
     return p
 
@@ -274,6 +277,8 @@ def inputs_from(args) -> tuple:
     if args.compute_s is None and args.rank_flops is None:
         raise PlanError("give --rank-flops (peak FLOP/s of one rank, e.g. 989e12) or --compute-s (measured seconds "
                         "per step), or run with --measure inside a launch")
+    kappa, lam = (parse_count(getattr(args, f"overlap_{x}_factor"), f"--overlap-{x}-factor", at_least=1.0,
+                              why="a slowdown, 1.0 is none; --measure measures it") for x in ("compute", "comm"))
     inp = pm.Inputs(params=parse_count(args.params, "--params", integer=True),
                     tokens_per_step=parse_count(args.tokens_per_step, "--tokens-per-step"), nodes=nodes,
                     ranks_per_node=k, mfu=mfu, inter_bps=parse_bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
@@ -284,7 +289,7 @@ def inputs_from(args) -> tuple:
                     compute_s=parse_count(args.compute_s, "--compute-s") if args.compute_s else None,
                     tokens=parse_count(args.tokens, "--tokens") if args.tokens else None,
                     micro_batches=cfg["gas"] if cfg else 1, token_factors=parse_factors(args.token_factor),
-                    zero_stage=cfg["zero_stage"] if cfg else 1)
+                    zero_stage=cfg["zero_stage"] if cfg else 1, overlap_compute=kappa, overlap_comm=lam)
     return inp, (cfg["gas"] if cfg else 2), (cfg["grad_accum_dtype"] if cfg else None)
 
 

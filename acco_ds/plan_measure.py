@@ -15,14 +15,22 @@ What is timed, on every rank at once (as training runs them; the slowest rank co
   node, all rails at once, as the node-aware collectives and the outer all-reduce run), each node sending
   k·2(R−1)/R·S bytes per all-reduce of S bytes; a line fitted through (bytes, seconds) gives the bandwidth
   (slope) and the latency (intercept / 2(R−1) hops); sizes grow until one takes over ``max_s`` seconds;
-- inside a node (k > 1): the same over the k ranks of each node.
+- inside a node (k > 1): the same over the k ranks of each node;
+- contention (world > 1): the compute again while a thread on every rank runs all-reduces back to back on a
+  second set of the rail groups (one node: of the node groups), as acco_ds's communication thread runs beside the
+  compute. ``overlap_compute_factor`` (kappa) = compute time with them / alone; ``overlap_comm_factor`` (lambda)
+  = seconds per all-reduce finished during the compute / alone. Both >= 1, near 1 on GPUs with NCCL; on CPU hosts
+  the thread takes cores from the compute.
 Nodes are counted as the launchers do: rank r is on node r // k, k = ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``.
 """
 
+import contextlib
 import importlib
+import math
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -33,8 +41,9 @@ SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # fp32 elements per all-r
 
 
 def _sync(device):
+    """Wait for this thread's stream only (the contention thread's all-reduces run on a stream of their own)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _loss(out):
@@ -49,24 +58,73 @@ def _max(value: float) -> float:
     return float(t.item())
 
 
+def _step(model, batch, micro_batches: int, device):
+    """Forward and backward of ``micro_batches`` micro-batches."""
+    for _ in range(micro_batches):
+        inputs = batch() if callable(batch) else batch
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        _loss(model(*[x.to(device) if torch.is_tensor(x) else x for x in inputs])).backward()
+
+
 def time_compute(model, batch, micro_batches: int, device, repeats: int = 3) -> float:
     """Median over ``repeats`` of the seconds of forward + backward of ``micro_batches`` micro-batches."""
-    get = batch if callable(batch) else (lambda: batch)
     model.to(device)
     times = []
     for i in range(repeats + 1):
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(micro_batches):
-            inputs = get()
-            inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-            _loss(model(*[x.to(device) if torch.is_tensor(x) else x for x in inputs])).backward()
+        _step(model, batch, micro_batches, device)
         _sync(device)
         if i:  # the first one warms up
             times.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     return _max(statistics.median(times))
+
+
+def _allreduces(buf, group, count: int, device, ends: list):
+    """``count`` all-reduces of ``buf`` back to back on ``group``, appending the time each one ends (on a GPU on a
+    stream of their own, so that waiting for one does not wait for the compute)."""
+    side = None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for _ in range(count):
+            dist.all_reduce(buf, group=group)
+            _sync(device)
+            ends.append(time.perf_counter())
+
+
+def time_contention(model, batch, micro_batches: int, device, group, samples, compute_s: float, max_s: float = 1.0,
+                    repeats: int = 3):
+    """(kappa, lambda): the step's compute while a thread runs all-reduces on ``group`` beside it (on every rank),
+    its seconds over ``compute_s``; the seconds per all-reduce that ended during the compute over the same size's
+    alone in ``samples``. The size: the largest of ``samples`` under ``max_s``. The count is fixed beforehand from
+    figures every rank shares, so every rank's thread issues the same all-reduces; it spans about twice the compute
+    alone, so that the compute stays covered even if it slows more than the all-reduces."""
+    n, alone = ([(s, t) for s, t in samples if t < max_s] or samples[:1])[-1]
+    count = max(1, math.ceil(2 * compute_s / alone))
+    buf = torch.ones(n, dtype=torch.float32, device=device)
+    steps, per = [], []
+    for _ in range(repeats):
+        ends = []
+        thread = threading.Thread(target=_allreduces, args=(buf, group, count, device, ends), daemon=True)
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        thread.start()
+        _step(model, batch, micro_batches, device)
+        _sync(device)
+        t1 = time.perf_counter()
+        thread.join()
+        if len(ends) < count:
+            raise RuntimeError("acco-ds plan --measure: the all-reduce thread failed (its error is above)")
+        during = [t for t in ends if t <= t1]
+        steps.append(t1 - t0)
+        per.append((during[-1] - t0) / len(during) if during else (ends[-1] - t0) / count)
+    model.zero_grad(set_to_none=True)
+    return max(1.0, _max(statistics.median(steps)) / compute_s), max(1.0, _max(statistics.median(per)) / alone)
 
 
 def groups(world: int, k: int):
@@ -141,6 +199,12 @@ def measure(model: torch.nn.Module, batch, micro_batches: int = 1, ranks_per_nod
         samples = time_allreduce(node, k, device, sizes, max_s=max_s)
         out["intra_samples"] = samples
         out["intra_bps"], out["intra_latency_s"] = fit(samples, 2 * (k - 1) / k * 4, 2 * (k - 1))
+    out["overlap_compute_factor"] = out["overlap_comm_factor"] = 1.0  # one rank: nothing to overlap
+    if world > 1:  # new groups over the same ranks: the thread's all-reduces never meet the main thread's
+        rail2, node2 = groups(world, k)
+        group, samples = (rail2, out["inter_samples"]) if r > 1 else (node2, out["intra_samples"])
+        out["overlap_compute_factor"], out["overlap_comm_factor"] = time_contention(
+            model, batch, micro_batches, device, group, samples, out["compute_s"], max_s)
     return out
 
 
@@ -152,6 +216,9 @@ def measured_flags(figures: dict, argv) -> list:
         measured += ["--dtype", figures["dtype"]]
     if "--params" not in argv:
         measured += ["--params", str(figures["params"])]
+    for flag in ("--overlap-compute-factor", "--overlap-comm-factor"):  # the user's wins (e.g. to plan for GPUs)
+        if flag not in argv:
+            measured += [flag, repr(figures.get(flag[2:].replace("-", "_"), 1.0))]
     if "inter_bps" in figures:
         measured += ["--inter-bandwidth", repr(figures["inter_bps"]),
                      "--inter-latency-ms", repr(1e3 * figures["inter_latency_s"])]

@@ -10,7 +10,8 @@ milliseconds. ``docs/plan.md`` writes every formula out with its source; in shor
 - stock ZeRO-1: a flat ring all-reduce of the gradients and all-gather of the parameters over all W ranks:
   3·(W−1)/W·N·b across each node's link (measured on the two-node testbed: 9N bytes of fp32 at W = 4, R = 2);
 - compressed (int8/fp8): 1 + 4/block bytes per element instead of b (one fp32 scale per block);
-- the overlap rule of each mode (``step_seconds``) and its token factor (``token_factor``).
+- the overlap rule of each mode (``evaluate``), slowed by contention (``exposed``: κ, λ), and its token factor
+  (``token_factor``).
 """
 
 import math
@@ -70,6 +71,8 @@ class Inputs:
     tensor_sizes: Optional[List[int]] = None  # parameter tensors (SparseLoCo chunks); default one of N
     token_factors: dict = field(default_factory=dict)  # overrides: family -> factor (at H = 8 for local SGD)
     zero_stage: int = 1  # the user's config's (acco_ds runs on stage 1; the stock row models stage 1)
+    overlap_compute: float = 1.0  # kappa: compute slows by this while communication runs beside it (CPU: > 1)
+    overlap_comm: float = 1.0  # lambda: communication slows by this while compute runs beside it
 
     @property
     def world(self) -> int:
@@ -188,6 +191,14 @@ def token_factor(inp: Inputs, m: Mode, multiplier: float = 1.0):
     return f, src
 
 
+def exposed(inp: Inputs, c: float, r: float) -> float:
+    """Seconds that a communication of ``r`` seconds (alone) adds to ``c`` seconds of compute it overlaps: it
+    takes lambda·r beside compute, and compute runs at 1/kappa speed while both run, so the two take
+    max(lambda·r, c + lambda·r·(1 − 1/kappa)); kappa = lambda = 1 gives max(c, r), kappa → ∞ gives c + r."""
+    r *= inp.overlap_comm
+    return max(r, c + r * (1 - 1 / inp.overlap_compute)) - c
+
+
 def evaluate(inp: Inputs, m: Mode) -> dict:
     """Seconds per step (compute, exposed communication), bytes across a node's link and the token factor of
     one candidate."""
@@ -205,13 +216,14 @@ def evaluate(inp: Inputs, m: Mode) -> dict:
         if m.mode == "sync":
             step = c + rnd  # nothing overlaps
         elif m.mode == "dpu":
-            step = max(c, rnd)  # the round of step t runs beside the compute of step t+1
+            step = c + exposed(inp, c, rnd)  # the round of step t runs beside the compute of step t+1
         else:
             cut *= 2  # two rounds per step, each behind half the micro-batches
-            step = max(c, 2 * rnd)
+            step = c + exposed(inp, c, 2 * rnd)
             if m.accumulation == "adaptive":  # more micro-batches per round until compute covers the round,
-                multiplier = min(4.0, max(1.0, 2 * rnd / c))  # up to max_micro_batches_per_round (4x)
-                step = max(c * multiplier, 2 * rnd) / multiplier  # time per T tokens
+                # up to max_micro_batches_per_round (4x); compute beside the round runs at 1/kappa speed
+                multiplier = min(4.0, max(1.0, 2 * rnd * inp.overlap_comm / (c * inp.overlap_compute)))
+                step = (c * multiplier + exposed(inp, c * multiplier, 2 * rnd)) / multiplier  # per T tokens
         peak = cut
     else:
         h = m.sync_every
@@ -227,12 +239,12 @@ def evaluate(inp: Inputs, m: Mode) -> dict:
             t_sync, per_sync = outer_allreduce(inp, n, comp)
             if m.fragments > 1 or m.delay:  # Streaming DiLoCo: one fragment per window, hidden behind τ steps
                 t_frag = t_sync / m.fragments + (1 - 1 / m.fragments) * 2 * (inp.nodes - 1) * inp.inter_latency_s
-                exposed_sync = m.fragments * max(0.0, t_frag - m.delay * s_in)
+                exposed_sync = m.fragments * exposed(inp, m.delay * s_in, t_frag)
                 peak = per_sync / m.fragments
             elif m.mode == "co2":  # the all-reduce runs during the whole next period
-                exposed_sync = max(0.0, t_sync - h * s_in)
+                exposed_sync = exposed(inp, h * s_in, t_sync)
             elif m.mode == "edit":  # layer-wise: hidden behind the first forward pass of the next step
-                exposed_sync = max(0.0, t_sync - c / (3 * inp.micro_batches))
+                exposed_sync = exposed(inp, c / (3 * inp.micro_batches), t_sync)
             else:
                 exposed_sync = t_sync
         peak = per_sync if peak is None else peak

@@ -115,6 +115,10 @@ def test_token_factor_override_and_period_law(capsys):
     (["--inter-bandwidth", "10gbit", "--ranks-per-node", "1.5"], "--ranks-per-node must be a whole number"),
     (["--inter-bandwidth", "10gbit", "--mfu", "40"], "--mfu 40 must be a fraction"),
     (["--inter-bandwidth", "10gbit", "--token-factor", "dilco=1.1"], "unknown mode 'dilco'"),
+    (["--inter-bandwidth", "10gbit", "--overlap-compute-factor", "0.5"],
+     "--overlap-compute-factor '0.5' must be >= 1 (a slowdown, 1.0 is none; --measure measures it)"),
+    (["--inter-bandwidth", "10gbit", "--overlap-comm-factor", "fast"], "--overlap-comm-factor 'fast' is not a number"),
+    (["--inter-bandwidth", "10gbit", "--overlap-comm-factor", "-1"], "--overlap-comm-factor must be positive"),
 ])
 def test_bad_input_refused_by_name(capsys, flags, message):
     with pytest.raises(SystemExit) as err:
@@ -180,6 +184,9 @@ def test_measure_on_two_cpu_ranks(tmp_path):
     assert sizes == sorted(sizes) and len(sizes) >= 2
     assert m["inter_samples"][-1][1] > m["inter_samples"][0][1]  # 4096x the bytes take longer
     assert plan["recommended"] in {r["name"] for r in plan["modes"]}
+    assert m["overlap_compute_factor"] >= 1.0 and m["overlap_comm_factor"] >= 1.0  # the thread ran and stopped
+    assert (plan["inputs"]["overlap_compute"], plan["inputs"]["overlap_comm"]) == \
+        (m["overlap_compute_factor"], m["overlap_comm_factor"])
 
 
 def _free_port():
@@ -218,3 +225,41 @@ def test_plan_measured_api():
     sparse = next(m for m in plan["modes"] if m["name"] == "sparseloco")
     per_sync = (1464 + 1 + 976 + 1) * (4 + 144)  # 6M = 1464 x 4096 + 3456, 4M = 976 x 4096 + 2304; R-1 = 1
     assert sparse["inter_bytes_per_sync"] == per_sync
+
+
+@pytest.mark.parametrize("c, r", [(1.0, 0.4), (1.0, 3.0), (0.3, 0.3)])
+def test_overlap_contention_limits(c, r):
+    """kappa = lambda = 1 is perfect overlap, max(c, r); kappa -> infinity is none, c + r; lambda stretches r."""
+    def inp(kappa, lam):
+        return pm.Inputs(params=1, tokens_per_step=1, nodes=2, ranks_per_node=1, overlap_compute=kappa,
+                         overlap_comm=lam)
+    assert c + pm.exposed(inp(1.0, 1.0), c, r) == max(c, r)
+    assert c + pm.exposed(inp(1e9, 1.0), c, r) == pytest.approx(c + r)
+    assert c + pm.exposed(inp(1.0, 1.5), c, r) == max(c, 1.5 * r)
+    assert c + pm.exposed(inp(2.0, 1.0), c, r) == pytest.approx(max(r, c + r / 2))  # half speed during r
+
+
+def test_overlap_factors_in_the_modes(capsys):
+    """kappa = lambda = 1 (the flags' default) gives the perfect-overlap steps of before; kappa > 1 slows every
+    overlapped mode (acco: c + 2 rounds as kappa grows) and leaves the blocking ones alone."""
+    base = dict(params=N_TESTBED, tokens_per_step=4096, nodes=2, ranks_per_node=2, dtype="fp32", compute_s=0.84,
+                inter_bps=200e6)
+    one, slow, inf = (pm.Inputs(**base, overlap_compute=k) for k in (1.0, 1.8, 1e12))
+    rnd = 2 * pm.node_aware(one, N_TESTBED, False)[0]
+    acco = pm.Mode("acco", "acco")
+    assert pm.evaluate(one, acco)["step_s"] == max(0.84, 2 * rnd)
+    assert pm.evaluate(inf, acco)["step_s"] == pytest.approx(0.84 + 2 * rnd)
+    h = 8
+    t_sync = pm.outer_allreduce(one, N_TESTBED, False)[0]
+    s = 0.84 + 2 * (N_TESTBED * 4 / 2 / (one.intra_bps / 8) + one.intra_latency_s)
+    co2 = pm.Mode("co2", "co2", sync_every=h)
+    assert pm.evaluate(one, co2)["step_s"] == pytest.approx(s + max(0.0, t_sync - h * s) / h)
+    for m in (acco, pm.Mode("a", "acco", "adaptive"), pm.Mode("dpu", "dpu"), co2,
+              pm.Mode("edit", "edit", sync_every=h), pm.Mode("s", "diloco", sync_every=h, fragments=4, delay=1)):
+        assert pm.evaluate(one, m)["step_s"] < pm.evaluate(slow, m)["step_s"] < pm.evaluate(inf, m)["step_s"], m
+    for m in (pm.Mode("zero1", "zero1"), pm.Mode("sync", "sync"), pm.Mode("d", "diloco", sync_every=h),
+              pm.Mode("sparseloco", "sparseloco", sync_every=h)):
+        assert pm.evaluate(one, m)["step_s"] == pm.evaluate(inf, m)["step_s"], m
+    default = run_json(capsys, "--inter-bandwidth", "1gbit")
+    same = run_json(capsys, "--inter-bandwidth", "1gbit", "--overlap-compute-factor", "1", "--overlap-comm-factor", "1")
+    assert default["modes"] == same["modes"] and default["inputs"]["overlap_compute"] == 1.0
