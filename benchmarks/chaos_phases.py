@@ -18,9 +18,17 @@ into its ``start`` and ``stepped`` lines (``chaos.py`` notes the moment it start
 ``launcher``: how ``chaos.py --launcher`` starts a replica's ranks: ``deepspeed`` (the runner, which starts
 DeepSpeed's launch.py, which starts the ranks: two more processes that each import all of DeepSpeed), or
 ``direct`` (a one-rank replica's rank itself, with the environment a launcher would give it).
+
+The floor under a replica's CPU cap: ``python benchmarks/chaos_phases.py --floor [--cores 0.45]`` times a fresh
+process that only imports (torch; then torch, DeepSpeed, acco_ds and torchft, as the worker does) inside a cgroup
+of that many cores: no relaunch can train again sooner than that after its process starts.
 """
 
+import argparse
+import statistics
+import subprocess
 import sys
+import time
 
 LAUNCHERS = ("deepspeed", "direct")
 
@@ -72,4 +80,37 @@ def markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["LAUNCHERS", "PHASES", "launcher", "markdown", "relaunch_phases"]
+FLOOR_IMPORTS = {"torch": "import torch", "torch, deepspeed, acco_ds, torchft":
+                 "import torch, deepspeed, acco_ds, torchft"}
+
+
+def import_floor(cores: float, repeats: int = 3) -> dict:
+    """Median wall seconds of a fresh ``python -c <imports>`` inside a ``cores``-core cgroup, per import line."""
+    from cpucap import CpuCap
+    out = {}
+    for name, code in FLOOR_IMPORTS.items():
+        times = []
+        for _ in range(repeats):
+            cap = CpuCap(cores, "floor")
+            try:
+                t0 = time.perf_counter()
+                subprocess.run(cap.wrap([sys.executable, "-c", code]), check=True, capture_output=True, timeout=300)
+                times.append(time.perf_counter() - t0)
+            finally:
+                cap.close()
+        out[name] = {"median_s": statistics.median(times), "runs_s": times}
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="the import floor of a relaunched replica under its CPU cap")
+    ap.add_argument("--floor", action="store_true", required=True)
+    ap.add_argument("--cores", type=float, default=0.45)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    print(f"| imports in a fresh process, {a.cores} core cgroup | median s | runs, s |\n|---|---|---|")
+    for name, r in import_floor(a.cores, a.repeats).items():
+        print(f"| {name} | {r['median_s']:.2f} | " + ", ".join(f"{t:.2f}" for t in r["runs_s"]) + " |")
+
+
+__all__ = ["LAUNCHERS", "PHASES", "import_floor", "launcher", "markdown", "relaunch_phases"]
