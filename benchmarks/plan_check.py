@@ -74,7 +74,8 @@ def predict(measured: dict) -> dict:
                     ranks_per_node=N_LAYOUT[1], dtype="fp32", compute_s=measured["compute_s"],
                     inter_bps=measured["inter_bps"], inter_latency_s=measured["inter_latency_s"],
                     intra_bps=measured["intra_bps"], intra_latency_s=measured["intra_latency_s"],
-                    micro_batches=GAS)
+                    micro_batches=GAS, overlap_compute=measured.get("overlap_compute_factor", 1.0),
+                    overlap_comm=measured.get("overlap_comm_factor", 1.0))
     out = {}
     for label, spec in MODES.items():
         m = pm.Mode(**spec)
@@ -172,12 +173,13 @@ def summarize(record):
 
 
 def table(record) -> str:
-    lines = ["| link | measured link (Mbit/s) | compute s/step (measured) | mode | predicted s/step | measured s/step "
-             "| error | recommended | measured fastest |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| link | measured link (Mbit/s) | compute s/step (measured) | κ, λ (measured) | mode | predicted s/step "
+             "| measured s/step | error | recommended | measured fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
     for link in record["links"]:
         m = link["measured"]
         for mode, r in link["rows"].items():
-            lines.append(f"| {link['bandwidth']} | {m['inter_bps'] / 1e6:.1f} | {m['compute_s']:.3f} | {mode} | "
+            lines.append(f"| {link['bandwidth']} | {m['inter_bps'] / 1e6:.1f} | {m['compute_s']:.3f} | "
+                         f"{m.get('overlap_compute_factor', 1.0):.2f}, {m.get('overlap_comm_factor', 1.0):.2f} | {mode} | "
                          f"{r['step_s']:.3f} | {r['measured_step_s']:.3f} | {100 * r['error']:+.0f}% | "
                          f"{'**yes**' if mode == link.get('recommended') else ''} | "
                          f"{'**yes**' if mode == link.get('measured_fastest') else ''} |")
