@@ -125,14 +125,22 @@ int64_t sparse_unpack_accumulate(float* out, const int64_t* offsets, const int64
     const int64_t first = entry_starts[c], k = entry_starts[c + 1] - first;
     const uint8_t* bytes = static_cast<const uint8_t*>(values) + byte_starts[c];
     const float m = value_bits ? scales[c] : 0.0f;
+    // The chunk's 2^b levels, each computed once by sparse_level (so bit for bit the same values), when the
+    // chunk has more entries than levels: one table lookup per entry instead of a division.
+    float levels[256];
+    const bool table = value_bits && (int64_t{1} << value_bits) <= k;
+    if (table) {
+      for (uint32_t code = 0; code < (1u << value_bits); ++code) levels[code] = sparse_level(code, m, value_bits);
+    }
     for (int64_t j = 0; j < k; ++j) {
       const int64_t i = static_cast<uint16_t>(indices[first + j]);
       if (i >= len) {
         ++bad;
         continue;
       }
-      const float q = value_bits ? sparse_level(unpack_code(bytes, j, value_bits), m, value_bits)
-                                 : static_cast<const float*>(values)[first + j];
+      const float q = !value_bits ? static_cast<const float*>(values)[first + j]
+                      : table     ? levels[unpack_code(bytes, j, value_bits)]
+                                  : sparse_level(unpack_code(bytes, j, value_bits), m, value_bits);
       chunk[i] = add_rn(chunk[i], mul_rn(q, weight));  // the product rounded to fp32, then the sum
     }
   }
