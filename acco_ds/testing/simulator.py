@@ -77,6 +77,7 @@ def make_replicas(model, R: int, optimizer_fn, lr_lambda, dtype):
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) if lr_lambda is not None else None for o in opts]
     return replicas, opts, scheds, [[p for p in rep.parameters() if p.requires_grad] for rep in replicas]
 
+
 def replica_inner_step(model, params, ranks, per_rank: int, nxt: list, loss_fn, micro_batch, opt, clip, sched):
     """One inner step of a local-SGD replica: its ranks' next ``per_rank`` micro-batches each, summed, then one
     update with their mean (the replica's ZeRO-1 group equals one full-batch AdamW step). ``nxt``: each rank's

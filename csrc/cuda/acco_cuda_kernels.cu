@@ -138,6 +138,17 @@ __device__ __forceinline__ void block_reduce(float& amax, int& finite) {
   __syncthreads();  // warp_max is reused by the next quantization block of this thread block
 }
 
+// One value of a block with scale s: its wire byte and, in residual_out, what the send left out (v when
+// the block is not quantized: scale 0; NaN for a non-finite block). Both quantize kernels call it.
+template <int QT>
+__device__ __forceinline__ uint32_t quantize_one(float v, float s, bool quantize, float& residual_out) {
+  float sent = mul_rn(0.0f, s);
+  uint8_t byte = 0;
+  if (quantize) byte = quantize_value<QT>(v, s, sent);
+  residual_out = sub_rn(v, sent);
+  return byte;
+}
+
 // One thread block per quantization block (grid-stride over blocks): the max over the block, then each
 // thread quantizes its strided values. The block is read twice (it is in L1/L2 on the second read).
 template <int XD, int RD, int QT>
@@ -158,12 +169,9 @@ __global__ void quantize_kernel(const void* __restrict__ x, void* __restrict__ r
     if (threadIdx.x == 0) scales[b] = s;
     const bool quantize = finite && s != 0.0f;  // else values 0, residual v - 0 * s (v, or NaN)
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-      const float v = load_v<XD, RD>(x, residual, i);
-      float sent = mul_rn(0.0f, s);
-      uint8_t byte = 0;
-      if (quantize) byte = quantize_value<QT>(v, s, sent);
-      q[i] = byte;
-      if constexpr (RD >= 0) store_cast<RD>(residual, i, sub_rn(v, sent));
+      float r;
+      q[i] = static_cast<uint8_t>(quantize_one<QT>(load_v<XD, RD>(x, residual, i), s, quantize, r));
+      if constexpr (RD >= 0) store_cast<RD>(residual, i, r);
     }
   }
 }
@@ -184,21 +192,11 @@ __device__ __forceinline__ float4 load4(const void* p, int64_t j) {
   }
 }
 
-// One element of quantize_warp_kernel: as quantize_kernel's inner loop (the same calls, the same order).
-template <int QT>
-__device__ __forceinline__ uint32_t quantize_one(float v, float s, bool quantize, float& residual_out) {
-  float sent = mul_rn(0.0f, s);
-  uint8_t byte = 0;
-  if (quantize) byte = quantize_value<QT>(v, s, sent);
-  residual_out = sub_rn(v, sent);
-  return byte;
-}
-
 // A warp per quantization block of 32 * VPT elements (block sizes 128, 256, 512, 1024): each lane loads its
 // VPT values once, 4 at a time with vector loads (a warp reads 32 consecutive groups of 4), the max is a
 // warp shuffle (no shared memory, no __syncthreads), and the values are quantized from registers. Only
-// whole blocks; the launcher gives a shorter last block to quantize_kernel. The arithmetic is
-// quantize_kernel's, element for element, so both agree bit for bit with the reference.
+// whole blocks; the launcher gives a shorter last block to quantize_kernel. Both call quantize_one per
+// element, so both agree bit for bit with the reference.
 template <int XD, int RD, int QT, int VPT>
 __global__ void quantize_warp_kernel(const void* __restrict__ x, void* __restrict__ residual,
                                      uint8_t* __restrict__ q, float* __restrict__ scales, int64_t nb) {
