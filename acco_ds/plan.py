@@ -138,11 +138,8 @@ def acco_block(m: pm.Mode, inp: pm.Inputs, fig: dict) -> dict:
 
 
 def check_block(block: dict, gas: int, world: int) -> Optional[str]:
-    """Why acco_ds would refuse the block (None: it would run). A mode this acco_ds does not know yet
-    (sparseloco before issue 46 lands) is reported, not refused."""
+    """Why acco_ds would refuse the block (None: it would run)."""
     from .config import host_problems, parse_acco_config
-    if block.get("mode") == "sparseloco" and not _knows_sparseloco():
-        return None  # validated once the mode exists (issue 46); its keys are that issue's
     try:
         acco = parse_acco_config({"acco": block})
     except ValueError as err:
@@ -152,11 +149,10 @@ def check_block(block: dict, gas: int, world: int) -> Optional[str]:
 
 
 def memory_bytes(m: pm.Mode, inp: pm.Inputs, grad_accum_dtype=None) -> int:
-    """Model states per rank by ``acco_ds.memory.estimate_memory`` (sparseloco: diloco's + its fp32
-    error-feedback buffer over the replica group, 4N/k, until the estimator knows the mode)."""
+    """Model states per rank by ``acco_ds.memory.estimate_memory``."""
     from .memory import estimate_memory
     k, w = inp.ranks_per_node, inp.world
-    mode = "diloco" if m.mode == "sparseloco" else "acco" if m.mode == "zero1" else m.mode
+    mode = "acco" if m.mode == "zero1" else m.mode
     out = estimate_memory(params=inp.params, gpus=w, dtype=inp.dtype, grad_accum_dtype=grad_accum_dtype, mode=mode,
                           replica_group_size=k if m.sync_every else None, fragments=m.fragments,
                           # what "apply_to" auto compresses: what crosses nodes (local SGD: the outer all-reduce)
@@ -165,7 +161,7 @@ def memory_bytes(m: pm.Mode, inp: pm.Inputs, grad_accum_dtype=None) -> int:
                           nodes=inp.nodes if 1 < inp.nodes < w else None, verbose=False)
     if m.mode == "zero1":
         return out["stock_bytes"]
-    return out["acco_bytes"] + (4 * inp.params // k if m.mode == "sparseloco" else 0)
+    return out["acco_bytes"]
 
 
 def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = True) -> dict:
@@ -180,8 +176,7 @@ def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = Tru
                         "inter_bytes_per_sync", "peak_burst_bytes")},
                     "memory_per_rank_bytes": memory_bytes(m, inp, grad_accum_dtype),
                     "token_factor": fig["token_factor"], "token_factor_source": fig["token_factor_source"],
-                    "time_to_tokens_s": fig["time_to_tokens_s"], "refused": refused,
-                    "validated": refused is None and not (m.mode == "sparseloco" and not _knows_sparseloco())})
+                    "time_to_tokens_s": fig["time_to_tokens_s"], "refused": refused})
     usable = [(m, f) for (m, f), row in zip(rows, out) if row["refused"] is None]
     inputs = {k: v for k, v in vars(inp).items() if k != "tensor_sizes"}
     inputs.update(world=inp.world, compute_s=pm.compute_seconds(inp), total_tokens=inp.total_tokens)
@@ -189,11 +184,6 @@ def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = Tru
         f'your config has ZeRO stage {inp.zero_stage}: acco_ds runs on stage 1 (set "zero_optimization": '
         f'{{"stage": 1}} with an enabled "acco" block), and the zero1 row models stage 1']
     return {"inputs": inputs, "recommended": pm.recommend(usable), "modes": out, "notes": notes}
-
-
-def _knows_sparseloco() -> bool:
-    from .config import ACCOConfig
-    return "sparseloco" in str(ACCOConfig.model_fields["mode"].annotation)
 
 
 def table(result: dict) -> str:
@@ -204,7 +194,8 @@ def table(result: dict) -> str:
              f"ranks, {inp['tokens_per_step']:.4g} tokens/step, {inp['total_tokens']:.4g} tokens, {inp['dtype']}, "
              f"inter {inp['inter_bps'] / 1e9:g} Gbit/s + {inp['inter_latency_s'] * 1e3:g} ms, intra "
              f"{inp['intra_bps'] / 1e9:g} Gbit/s, compute {inp['compute_s']:.4g} s/step, overlap slowdown "
-             f"(kappa, lambda) {inp['overlap_compute']:.3g}, {inp['overlap_comm']:.3g}",
+             f"(kappa, lambda, outer kappa) {inp['overlap_compute']:.3g}, {inp['overlap_comm']:.3g}, "
+             f"{inp['overlap_outer_compute'] or inp['overlap_compute']:.3g}",
              f"{'mode':<20}{'H':>5}{'step s':>9}{'exposed':>9}{'util':>6}{'MB/step':>10}{'MB/sync':>10}"
              f"{'peak MB':>10}{'GB/rank':>8}{'tokens x':>9}{'to tokens':>11}{'vs zero1':>9}"]
     for r in result["modes"]:
@@ -226,8 +217,6 @@ def table(result: dict) -> str:
               f"{rec['time_to_tokens_s'] / stock:.2f}x stock ZeRO-1's time). Paste into the DeepSpeed config:",
               json.dumps({"acco": rec["acco"]})]
     lines += [f"note: {n}" for n in result.get("notes", [])]
-    if not rec["validated"]:
-        lines.append("(this block needs a newer acco_ds: its mode is not in this version's config model)")
     return "\n".join(lines)
 
 
@@ -254,8 +243,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="the DeepSpeed config: micro-batch, accumulation, stage, dtype")
     p.add_argument("--token-factor", nargs="+", action="extend", default=[], metavar="MODE=F",
                    help="override a token factor (local SGD: at H=8), e.g. diloco=1.1 'diloco int8=1.2'")
-    for x, what in (("compute", "kappa: compute's"), ("comm", "lambda: communication's")):
-        p.add_argument(f"--overlap-{x}-factor", default="1.0", help=f"{what} slowdown if overlapped, >= 1 (default 1)")
+    for x, what in (("compute", "kappa: compute's slowdown beside a round"), ("comm", "lambda: communication's "
+                    "slowdown beside compute"), ("outer-compute", "kappa beside an outer sync of local SGD")):
+        p.add_argument(f"--overlap-{x}-factor", default=None if "outer" in x else "1.0",
+                       help=f"{what}, >= 1 (default {'--overlap-compute-factor' if 'outer' in x else 1})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON only")
     return p
 
@@ -277,8 +268,10 @@ def inputs_from(args) -> tuple:
     if args.compute_s is None and args.rank_flops is None:
         raise PlanError("give --rank-flops (peak FLOP/s of one rank, e.g. 989e12) or --compute-s (measured seconds "
                         "per step), or run with --measure inside a launch")
-    kappa, lam = (parse_count(getattr(args, f"overlap_{x}_factor"), f"--overlap-{x}-factor", at_least=1.0,
-                              why="a slowdown, 1.0 is none; --measure measures it") for x in ("compute", "comm"))
+    kappa, lam, outer = (parse_count(getattr(args, f"overlap_{x}_factor"), f"--overlap-{x}-factor".replace("_", "-"),
+                                     at_least=1.0, why="a slowdown, 1.0 is none; --measure measures it")
+                         if getattr(args, f"overlap_{x}_factor") is not None else None
+                         for x in ("compute", "comm", "outer_compute"))
     inp = pm.Inputs(params=parse_count(args.params, "--params", integer=True),
                     tokens_per_step=parse_count(args.tokens_per_step, "--tokens-per-step"), nodes=nodes,
                     ranks_per_node=k, mfu=mfu, inter_bps=parse_bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
@@ -289,7 +282,8 @@ def inputs_from(args) -> tuple:
                     compute_s=parse_count(args.compute_s, "--compute-s") if args.compute_s else None,
                     tokens=parse_count(args.tokens, "--tokens") if args.tokens else None,
                     micro_batches=cfg["gas"] if cfg else 1, token_factors=parse_factors(args.token_factor),
-                    zero_stage=cfg["zero_stage"] if cfg else 1, overlap_compute=kappa, overlap_comm=lam)
+                    zero_stage=cfg["zero_stage"] if cfg else 1, overlap_compute=kappa, overlap_comm=lam,
+                    overlap_outer_compute=outer)
     return inp, (cfg["gas"] if cfg else 2), (cfg["grad_accum_dtype"] if cfg else None)
 
 

@@ -17,10 +17,13 @@ What is timed, on every rank at once (as training runs them; the slowest rank co
   (slope) and the latency (intercept / 2(R−1) hops); sizes grow until one takes over ``max_s`` seconds;
 - inside a node (k > 1): the same over the k ranks of each node;
 - contention (world > 1): the compute again while a thread on every rank runs all-reduces back to back on a
-  second set of the rail groups (one node: of the node groups), as acco_ds's communication thread runs beside the
-  compute. ``overlap_compute_factor`` (kappa) = compute time with them / alone; ``overlap_comm_factor`` (lambda)
-  = seconds per all-reduce finished during the compute / alone. Both >= 1, near 1 on GPUs with NCCL; on CPU hosts
-  the thread takes cores from the compute.
+  second set of the rail groups, then of the node groups, as acco_ds's communication thread runs beside the
+  compute. kappa = compute time with them / alone; lambda = seconds per all-reduce finished during the compute /
+  alone. ``overlap_outer_compute_factor`` = kappa beside the rails (what local SGD's outer syncs move);
+  ``overlap_compute_factor`` = the larger kappa of the two (a round moves data inside nodes and over the rails);
+  ``overlap_comm_factor`` = lambda on the rails (one node: inside it). All >= 1, near 1 on GPUs with NCCL; on CPU
+  hosts the thread takes cores from the compute, most when it copies memory inside a node rather than waiting on
+  a slow link.
 Nodes are counted as the launchers do: rank r is on node r // k, k = ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``.
 """
 
@@ -66,7 +69,7 @@ def _step(model, batch, micro_batches: int, device):
         _loss(model(*[x.to(device) if torch.is_tensor(x) else x for x in inputs])).backward()
 
 
-def time_compute(model, batch, micro_batches: int, device, repeats: int = 3) -> float:
+def time_compute(model, batch, micro_batches: int, device, repeats: int = 7) -> float:
     """Median over ``repeats`` of the seconds of forward + backward of ``micro_batches`` micro-batches."""
     model.to(device)
     times = []
@@ -202,9 +205,18 @@ def measure(model: torch.nn.Module, batch, micro_batches: int = 1, ranks_per_nod
     out["overlap_compute_factor"] = out["overlap_comm_factor"] = 1.0  # one rank: nothing to overlap
     if world > 1:  # new groups over the same ranks: the thread's all-reduces never meet the main thread's
         rail2, node2 = groups(world, k)
-        group, samples = (rail2, out["inter_samples"]) if r > 1 else (node2, out["intra_samples"])
-        out["overlap_compute_factor"], out["overlap_comm_factor"] = time_contention(
-            model, batch, micro_batches, device, group, samples, out["compute_s"], max_s)
+        beside = {}
+        if r > 1:  # the link between nodes: what an outer sync of local SGD moves
+            beside["rail"] = time_contention(model, batch, micro_batches, device, rail2, out["inter_samples"],
+                                             out["compute_s"], max_s)
+        if k > 1:  # inside a node: on CPU hosts memory copies on the compute's own cores
+            beside["node"] = time_contention(model, batch, micro_batches, device, node2, out["intra_samples"],
+                                             out["compute_s"], max_s)
+        # a round (sync, dpu, acco) moves data inside each node and over the rails, so its kappa is the larger;
+        # lambda stretches the time on the slowest link, the rails' when there are several nodes
+        out["overlap_compute_factor"] = max(kappa for kappa, _ in beside.values())
+        out["overlap_comm_factor"] = beside["rail" if r > 1 else "node"][1]
+        out["overlap_outer_compute_factor"] = beside["rail" if r > 1 else "node"][0]
     return out
 
 
@@ -216,9 +228,9 @@ def measured_flags(figures: dict, argv) -> list:
         measured += ["--dtype", figures["dtype"]]
     if "--params" not in argv:
         measured += ["--params", str(figures["params"])]
-    for flag in ("--overlap-compute-factor", "--overlap-comm-factor"):  # the user's wins (e.g. to plan for GPUs)
-        if flag not in argv:
-            measured += [flag, repr(figures.get(flag[2:].replace("-", "_"), 1.0))]
+    for flag in ("--overlap-compute-factor", "--overlap-comm-factor", "--overlap-outer-compute-factor"):
+        if flag not in argv and flag[2:].replace("-", "_") in figures:  # the user's wins (e.g. to plan for GPUs)
+            measured += [flag, repr(figures[flag[2:].replace("-", "_")])]
     if "inter_bps" in figures:
         measured += ["--inter-bandwidth", repr(figures["inter_bps"]),
                      "--inter-latency-ms", repr(1e3 * figures["inter_latency_s"])]

@@ -73,6 +73,7 @@ class Inputs:
     zero_stage: int = 1  # the user's config's (acco_ds runs on stage 1; the stock row models stage 1)
     overlap_compute: float = 1.0  # kappa: compute slows by this while communication runs beside it (CPU: > 1)
     overlap_comm: float = 1.0  # lambda: communication slows by this while compute runs beside it
+    overlap_outer_compute: Optional[float] = None  # kappa beside local SGD's outer syncs (default overlap_compute)
 
     @property
     def world(self) -> int:
@@ -191,12 +192,15 @@ def token_factor(inp: Inputs, m: Mode, multiplier: float = 1.0):
     return f, src
 
 
-def exposed(inp: Inputs, c: float, r: float) -> float:
+def exposed(inp: Inputs, c: float, r: float, outer: bool = False) -> float:
     """Seconds that a communication of ``r`` seconds (alone) adds to ``c`` seconds of compute it overlaps: it
     takes lambda·r beside compute, and compute runs at 1/kappa speed while both run, so the two take
-    max(lambda·r, c + lambda·r·(1 − 1/kappa)); kappa = lambda = 1 gives max(c, r), kappa → ∞ gives c + r."""
+    max(lambda·r, c + lambda·r·(1 − 1/kappa)); kappa = lambda = 1 gives max(c, r), kappa → ∞ gives c + r.
+    ``outer``: an outer sync between replica groups (only the rails between nodes), whose kappa may differ from
+    a round's (which also moves data inside each node: on CPU hosts that is memory copies on the compute's cores)."""
     r *= inp.overlap_comm
-    return max(r, c + r * (1 - 1 / inp.overlap_compute)) - c
+    kappa = inp.overlap_outer_compute if outer and inp.overlap_outer_compute else inp.overlap_compute
+    return max(r, c + r * (1 - 1 / kappa)) - c
 
 
 def evaluate(inp: Inputs, m: Mode) -> dict:
@@ -239,12 +243,12 @@ def evaluate(inp: Inputs, m: Mode) -> dict:
             t_sync, per_sync = outer_allreduce(inp, n, comp)
             if m.fragments > 1 or m.delay:  # Streaming DiLoCo: one fragment per window, hidden behind τ steps
                 t_frag = t_sync / m.fragments + (1 - 1 / m.fragments) * 2 * (inp.nodes - 1) * inp.inter_latency_s
-                exposed_sync = m.fragments * exposed(inp, m.delay * s_in, t_frag)
+                exposed_sync = m.fragments * exposed(inp, m.delay * s_in, t_frag, outer=True)
                 peak = per_sync / m.fragments
             elif m.mode == "co2":  # the all-reduce runs during the whole next period
-                exposed_sync = exposed(inp, h * s_in, t_sync)
+                exposed_sync = exposed(inp, h * s_in, t_sync, outer=True)
             elif m.mode == "edit":  # layer-wise: hidden behind the first forward pass of the next step
-                exposed_sync = exposed(inp, c / (3 * inp.micro_batches), t_sync)
+                exposed_sync = exposed(inp, c / (3 * inp.micro_batches), t_sync, outer=True)
             else:
                 exposed_sync = t_sync
         peak = per_sync if peak is None else peak

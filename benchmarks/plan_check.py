@@ -75,7 +75,8 @@ def predict(measured: dict) -> dict:
                     inter_bps=measured["inter_bps"], inter_latency_s=measured["inter_latency_s"],
                     intra_bps=measured["intra_bps"], intra_latency_s=measured["intra_latency_s"],
                     micro_batches=GAS, overlap_compute=measured.get("overlap_compute_factor", 1.0),
-                    overlap_comm=measured.get("overlap_comm_factor", 1.0))
+                    overlap_comm=measured.get("overlap_comm_factor", 1.0),
+                    overlap_outer_compute=measured.get("overlap_outer_compute_factor"))
     out = {}
     for label, spec in MODES.items():
         m = pm.Mode(**spec)
@@ -173,13 +174,14 @@ def summarize(record):
 
 
 def table(record) -> str:
-    lines = ["| link | measured link (Mbit/s) | compute s/step (measured) | κ, λ (measured) | mode | predicted s/step "
+    lines = ["| link | measured link (Mbit/s) | compute s/step (measured) | κ, λ, outer κ (measured) | mode | predicted s/step "
              "| measured s/step | error | recommended | measured fastest |", "|---|---|---|---|---|---|---|---|---|---|"]
     for link in record["links"]:
         m = link["measured"]
         for mode, r in link["rows"].items():
             lines.append(f"| {link['bandwidth']} | {m['inter_bps'] / 1e6:.1f} | {m['compute_s']:.3f} | "
-                         f"{m.get('overlap_compute_factor', 1.0):.2f}, {m.get('overlap_comm_factor', 1.0):.2f} | {mode} | "
+                         f"{m.get('overlap_compute_factor', 1.0):.2f}, {m.get('overlap_comm_factor', 1.0):.2f}, "
+                         f"{m.get('overlap_outer_compute_factor') or m.get('overlap_compute_factor', 1.0):.2f} | {mode} | "
                          f"{r['step_s']:.3f} | {r['measured_step_s']:.3f} | {100 * r['error']:+.0f}% | "
                          f"{'**yes**' if mode == link.get('recommended') else ''} | "
                          f"{'**yes**' if mode == link.get('measured_fastest') else ''} |")

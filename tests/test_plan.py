@@ -118,6 +118,8 @@ def test_token_factor_override_and_period_law(capsys):
     (["--inter-bandwidth", "10gbit", "--overlap-compute-factor", "0.5"],
      "--overlap-compute-factor '0.5' must be >= 1 (a slowdown, 1.0 is none; --measure measures it)"),
     (["--inter-bandwidth", "10gbit", "--overlap-comm-factor", "fast"], "--overlap-comm-factor 'fast' is not a number"),
+    (["--inter-bandwidth", "10gbit", "--overlap-outer-compute-factor", "0.9"],
+     "--overlap-outer-compute-factor '0.9' must be >= 1 (a slowdown, 1.0 is none; --measure measures it)"),
     (["--inter-bandwidth", "10gbit", "--overlap-comm-factor", "-1"], "--overlap-comm-factor must be positive"),
 ])
 def test_bad_input_refused_by_name(capsys, flags, message):
@@ -185,8 +187,10 @@ def test_measure_on_two_cpu_ranks(tmp_path):
     assert m["inter_samples"][-1][1] > m["inter_samples"][0][1]  # 4096x the bytes take longer
     assert plan["recommended"] in {r["name"] for r in plan["modes"]}
     assert m["overlap_compute_factor"] >= 1.0 and m["overlap_comm_factor"] >= 1.0  # the thread ran and stopped
-    assert (plan["inputs"]["overlap_compute"], plan["inputs"]["overlap_comm"]) == \
-        (m["overlap_compute_factor"], m["overlap_comm_factor"])
+    # one rank per node: only the rails were probed, so a round's kappa and an outer sync's are the same figure
+    assert m["overlap_outer_compute_factor"] == m["overlap_compute_factor"]
+    assert (plan["inputs"]["overlap_compute"], plan["inputs"]["overlap_comm"], plan["inputs"]["overlap_outer_compute"]) \
+        == (m["overlap_compute_factor"], m["overlap_comm_factor"], m["overlap_outer_compute_factor"])
 
 
 def _free_port():
@@ -263,3 +267,14 @@ def test_overlap_factors_in_the_modes(capsys):
     default = run_json(capsys, "--inter-bandwidth", "1gbit")
     same = run_json(capsys, "--inter-bandwidth", "1gbit", "--overlap-compute-factor", "1", "--overlap-comm-factor", "1")
     assert default["modes"] == same["modes"] and default["inputs"]["overlap_compute"] == 1.0
+    # the outer syncs' own kappa: rounds keep --overlap-compute-factor's, the overlapped outer syncs take it
+    rounds_only = pm.Inputs(**base, overlap_compute=1e12, overlap_outer_compute=1.0)
+    outer_only = pm.Inputs(**base, overlap_compute=1.0, overlap_outer_compute=1e12)
+    assert pm.evaluate(rounds_only, acco)["step_s"] == pm.evaluate(inf, acco)["step_s"]
+    assert pm.evaluate(outer_only, acco)["step_s"] == pm.evaluate(one, acco)["step_s"]
+    for m in (co2, pm.Mode("edit", "edit", sync_every=h), pm.Mode("s", "diloco", sync_every=h, fragments=4, delay=1)):
+        assert pm.evaluate(rounds_only, m)["step_s"] == pm.evaluate(one, m)["step_s"], m
+        assert pm.evaluate(outer_only, m)["step_s"] == pm.evaluate(inf, m)["step_s"], m
+    split = run_json(capsys, "--inter-bandwidth", "1gbit", "--overlap-compute-factor", "2",
+                     "--overlap-outer-compute-factor", "1.25")
+    assert (split["inputs"]["overlap_compute"], split["inputs"]["overlap_outer_compute"]) == (2.0, 1.25)
