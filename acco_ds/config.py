@@ -135,10 +135,6 @@ class ACCOConfig(_Documented):
     @model_validator(mode="after")
     def _check_compression(self):
         self.compression.check(self.mode, self.local)
-        if self.fault_tolerance is not None and self.mode == "sparseloco":
-            raise ValueError('acco.fault_tolerance is not supported with acco.mode "sparseloco" yet: torchft\'s '
-                             'Manager offers an all-reduce, and sparseloco aggregates by an all-gather of each '
-                             'replica\'s (indices, values, scales). Remove acco.fault_tolerance, or use mode "diloco"')
         if self.fault_tolerance is not None:
             self.fault_tolerance.check(self)
         return self

@@ -88,8 +88,8 @@ class FaultToleranceConfig(_Documented):
             raise ValueError(f'acco.fault_tolerance lets the replicas of a local-SGD mode come and go, but '
                              f'acco.mode is "{acco.mode}": its ranks are one data-parallel group that takes every '
                              f'step together, so there is no replica to lose or to heal. Use acco.mode "diloco", '
-                             f'"co2" or "edit", or remove acco.fault_tolerance (recovery of the round modes is a '
-                             f'relaunch and load_checkpoint)')
+                             f'"co2", "edit" or "sparseloco", or remove acco.fault_tolerance (recovery of the round '
+                             f'modes is a relaunch and load_checkpoint)')
         c = acco.compression
         if c.enabled and (c.apply_to is None or "outer" in c.apply_to):
             raise ValueError('acco.compression of the outer all-reduce cannot run with acco.fault_tolerance: its '

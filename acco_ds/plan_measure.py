@@ -102,15 +102,23 @@ def _allreduces(buf, group, count: int, device, ends: list):
 def time_contention(model, batch, micro_batches: int, device, group, samples, compute_s: float, max_s: float = 1.0,
                     repeats: int = 3):
     """(kappa, lambda): the step's compute while a thread runs all-reduces on ``group`` beside it (on every rank),
-    its seconds over ``compute_s``; the seconds per all-reduce that ended during the compute over the same size's
+    its seconds over those of the compute alone run right before each (medians; ``compute_s`` sizes the
+    thread's work); the seconds per all-reduce that ended during the compute over the same size's
     alone in ``samples``. The size: the largest of ``samples`` under ``max_s``. The count is fixed beforehand from
     figures every rank shares, so every rank's thread issues the same all-reduces; it spans about twice the compute
     alone, so that the compute stays covered even if it slows more than the all-reduces."""
     n, alone = ([(s, t) for s, t in samples if t < max_s] or samples[:1])[-1]
     count = max(1, math.ceil(2 * compute_s / alone))
     buf = torch.ones(n, dtype=torch.float32, device=device)
-    steps, per = [], []
+    steps, per, solo = [], [], []
     for _ in range(repeats):
+        # the compute alone right before, so that kappa is a ratio of neighbours (a shared host drifts)
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        _step(model, batch, micro_batches, device)
+        _sync(device)
+        solo.append(time.perf_counter() - t0)
         ends = []
         thread = threading.Thread(target=_allreduces, args=(buf, group, count, device, ends), daemon=True)
         dist.barrier()
@@ -127,7 +135,8 @@ def time_contention(model, batch, micro_batches: int, device, group, samples, co
         steps.append(t1 - t0)
         per.append((during[-1] - t0) / len(during) if during else (ends[-1] - t0) / count)
     model.zero_grad(set_to_none=True)
-    return max(1.0, _max(statistics.median(steps)) / compute_s), max(1.0, _max(statistics.median(per)) / alone)
+    kappa = _max(statistics.median(steps)) / _max(statistics.median(solo))
+    return max(1.0, kappa), max(1.0, _max(statistics.median(per)) / alone)
 
 
 def groups(world: int, k: int):

@@ -68,6 +68,43 @@ def test_without_failures_a_fault_tolerant_run_equals_the_simulator(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sparseloco_without_failures_equals_the_simulator(tmp_path):
+    """sparseloco's payloads (their indices differ per replica) cross torchft as one all-reduce of a buffer with
+    a slot per replica. 2 replicas of 2 ranks, 2-bit values, a chunk straddling the ZeRO-1 partitions, the
+    start-up quorum healing one replica: every rank's replica, the committed anchor and the residual norm match
+    the float64 simulator after every inner step; each sync hands torchft twice the payload (two slots)."""
+    from acco_ds.ops.reference import chunk_offsets, sparse_payload_bytes
+    from test_sparseloco import CASES, SIZES, block
+    from test_sparseloco import reference as sparse_reference
+    steps, sparse = 6, CASES[1]
+    cfg = common.ds_config(acco={**block(2, **sparse), "fault_tolerance": {
+        "min_replicas": 2, "timeout_s": 20, "quorum_timeout_s": 120}}, gas=GAS)
+    with Fleet(tmp_path, min_replicas=2) as fleet:
+        for r in ("r0", "r1"):
+            fleet.start(r, {"config": cfg, "steps": steps}, ranks=2)
+        assert [fleet.wait(r, 360) for r in ("r0", "r1")] == [[0, 0], [0, 0]], fleet.logs("r0") + fleet.logs("r1")
+    ref = sparse_reference(4, 2, **sparse)
+    payload = sparse_payload_bytes(chunk_offsets(SIZES, sparse["chunk"]), sparse["topk"], sparse["value_bits"])
+    for g in range(2):
+        for rank in range(2):
+            got = fleet.result(f"r{g}", rank)
+            assert got["global_steps"] == steps
+            assert_matches(got["params"], ref["replicas"][g])
+            assert_matches(got["committed"], ref["anchor"])
+            s = got["stats"]
+            assert s["participants_min"] == s["participants_max"] == 2 and s["syncs_discarded"] == 0
+            want = float(ref["errors"][g][-1].norm())
+            assert abs(s["sparse_residual_norm"] - want) <= 1e-4 * want, (s["sparse_residual_norm"], want)
+        # the join and the syncs: two slots of this replica's payload each
+        sent = sum(fleet.result(f"r{g}", rank)["stats"]["outer_bytes"] for rank in range(2))
+        assert sent == (1 + steps // H) * 2 * payload, (sent, payload)
+    for rank in range(2):  # the start-up quorum heals rank r of one replica
+        assert sum(fleet.result(f"r{g}", rank)["stats"]["heals"] for g in range(2)) == 1
+    assert fleet.result("r0")["acco_syncs"] == steps // H
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
     """Three replicas of one rank, diloco. Replica 2 is SIGKILLed mid-period: the survivors' syncs go on with

@@ -109,15 +109,17 @@ def test_bad_sparseloco_keys_are_refused_by_name(local_sgd, needle):
     assert needle in str(err.value), str(err.value)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    """The loop refuses, before any collective, a replica whose tensors are split over ranks (the DeepSpeed
-    host sets ``tensor_parallel`` from the mpu; pipeline stages do not count)."""
+def test_a_split_tensor_without_its_partition_dim_is_refused_by_name():
+    """Tensor parallelism runs (chunks of whole tensors, ``sparse_tp.py``): a split parameter must say along which
+    dimension it was split (Megatron's ``partition_dim``); without it the loop refuses before any collective."""
     from acco_ds.runtime.outer.interface import ReplicaGroups, Shards, build_outer_loop
     acco = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
     groups = ReplicaGroups(1, 2, 0, 0, [0], [0, 1], None, None, None, None)
     groups.model_main, groups.tensor_parallel = object(), 2
-    zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(torch.zeros(4), 0)]])
-    with pytest.raises(ValueError, match='"sparseloco" does not support tensor parallelism yet: a tensor-parallel'):
+    split = torch.zeros(4)
+    split.tensor_model_parallel = True
+    zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(split, 0)]])
+    with pytest.raises(ValueError, match="a tensor-parallel parameter of shape \\(4,\\) needs Megatron's partition_dim"):
         build_outer_loop(acco, zero1, groups)
 
 
@@ -126,12 +128,13 @@ def test_sparseloco_keys_elsewhere_and_what_it_does_not_run_with_are_refused():
             ({"mode": "diloco", "local_sgd": {"topk": 8}}, 'acco.local_sgd.topk is SparseLoCo\'s: it applies to mode '
                                                             '"sparseloco", not to mode "diloco"'),
             ({"mode": "sparseloco", "compression": {"dtype": "int8", "apply_to": ["outer"]}},
-             'acco.compression.apply_to "outer" cannot be used with acco.mode "sparseloco"'),
-            ({"mode": "sparseloco", "fault_tolerance": {}},
-             'acco.fault_tolerance is not supported with acco.mode "sparseloco" yet')]:
+             'acco.compression.apply_to "outer" cannot be used with acco.mode "sparseloco"')]:
         with pytest.raises(ValueError) as err:
             parse_acco_config({"acco": {"enabled": True, **acco}})
         assert needle in str(err.value), str(err.value)
+    # fault tolerance runs (tests/test_fault_tolerance.py): the block is accepted
+    ft = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco", "fault_tolerance": {"merge": "tokens"}}})
+    assert ft.fault_tolerance.merge == "tokens"
     defaults = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}})
     ls = defaults.local_sgd or LocalSGDConfig()
     assert (ls.chunk, ls.topk, ls.error_decay, ls.value_bits, defaults.outer["outer_lr"]) == (4096, 64, 0.95, 2, 1.0)

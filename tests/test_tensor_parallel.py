@@ -104,3 +104,32 @@ def test_local_sgd_with_tensor_parallelism_matches_the_unsplit_simulator():
             assert_matches(replica, ref["replicas"][dp])
             anchor = [tp.assemble([results[r][i]["committed"][k] for r in ranks]) for k in range(STEPS + 2)]
             assert_matches(anchor, ref["anchor"])
+
+
+@pytest.mark.timeout(500)
+def test_sparseloco_with_tensor_parallelism_cuts_chunks_from_whole_tensors():
+    """sparseloco at DP 2 x TP 2, 2-bit values: a column-parallel layer (split along dim 0) and a row-parallel one
+    (dim 1, so a chunk of the whole tensor takes columns from both slices). The chunks are the whole tensors'
+    (the contract's), so every replica's weights, the anchor and the residual norm, assembled from the TP slices,
+    match the sparseloco simulator of the unsplit model; 12 chunks dealt to the replica's 2 ranks."""
+    from acco_ds.testing.sparseloco import simulate_sparseloco
+    sparse, steps = dict(chunk=16, topk=4, value_bits=2), STEPS + 2
+    block = {"mode": "sparseloco", "local_sgd": {"sync_every": 2, "replica_group_size": 1, **sparse}}
+    runs = [dict(config=common.ds_config(acco=block, gas=2, clip=0.05), steps=steps, tp=TP, record_committed=True)]
+    results = launch({"runs": runs}, world_size=4, timeout=400)
+    ref = simulate_sparseloco(tp.make_full(0), common.loss_fn, common.micro_batch, world_size=2, group_size=1,
+                              gradient_accumulation_steps=2, steps=steps, sync_every=2,
+                              optimizer_fn=common.reference_optimizer("AdamW"), clip=0.05, **sparse)
+    assert (ref["anchor"][-1] - ref["anchor"][0]).abs().max() > 1e-3  # the syncs moved the anchor
+    for dp in range(2):
+        ranks = [dp * TP + t for t in range(TP)]
+        assert_matches([tp.assemble([results[r][0]["params"][k] for r in ranks]) for k in range(steps)],
+                       ref["replicas"][dp])
+        assert_matches([tp.assemble([results[r][0]["committed"][k] for r in ranks]) for k in range(steps)],
+                       ref["anchor"])
+        want = float(ref["errors"][dp][-1].norm())  # replicated fc2.bias counted once
+        for r in ranks:
+            got = results[r][0]["stats"]["sparse_residual_norm"]
+            assert abs(got - want) <= 1e-4 * want, (got, want)
+    # a chunk's payload: 16-bit indices, 2-bit codes in whole bytes, an fp32 scale; fc2.bias is a 3-element chunk
+    assert [results[r][0]["stats"]["sparse_payload_bytes"] for r in range(2)] == [6 * 13, 5 * 13 + 3 * 2 + 1 + 4]

@@ -96,8 +96,8 @@ class TPNet(nn.Module):
         self.b1 = nn.Parameter(full.fc1.bias.detach()[t * n:(t + 1) * n].clone())
         self.w2 = nn.Parameter(full.fc2.weight.detach()[:, t * n:(t + 1) * n].clone())
         self.b2 = nn.Parameter(full.fc2.bias.detach().clone())  # replicated
-        for p in (self.w1, self.b1, self.w2):
-            p.tensor_model_parallel = True
+        for p, dim in ((self.w1, 0), (self.b1, 0), (self.w2, 1)):  # Megatron's attributes of a split tensor
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def forward(self, x):
         h = torch.tanh(F.linear(x, self.w1, self.b1))

@@ -12,6 +12,8 @@ calls) runs:
 * ``average``: ``Σ w_i δ_i / Σ w_i``, two torchft all-reduces (SUM) of the tensors scaled by this
   replica's merge weight and of the weight, so a replica with nothing to add (weight 0) changes nothing,
   and ``merge: "tokens"`` weighs each replica by what it trained;
+* ``gather`` (sparseloco, whose payloads cannot be summed): one all-reduce of a buffer with a slot per
+  participant;
 * ``commit``: ``should_commit()``, False on every survivor when a participant failed during the sync; the
   loop then discards the sync (anchor and momentum as they were).
 
@@ -23,7 +25,7 @@ import contextlib
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -157,6 +159,25 @@ class TorchFTTransport:
         works.append(self.manager.allreduce(w, reduce_op=ReduceOp.SUM))
         self._pending = (tensors, works, w)
 
+    def gather(self, mine: torch.Tensor, weight: float = 1.0) -> List[Tuple[torch.Tensor, float]]:
+        """Every participant's ``mine`` (bytes, the same size everywhere) with its merge weight. torchft's
+        Manager offers only all-reduces, so this is one all-reduce (SUM) of a buffer with a slot per
+        participant, zero but in this replica's slot: every byte of the sum comes from one replica, so it is
+        exact, at twice an all-gather's bytes on the wire. Empty when the all-reduce failed (``commit`` then
+        says False)."""
+        n, slots = mine.numel(), self.participants
+        slot = self.manager.participating_rank()
+        buf = torch.zeros(slots * n, dtype=torch.uint8, device=mine.device)
+        w = torch.zeros(slots, dtype=torch.float64, device=mine.device)
+        if slot is not None:  # a replica outside the participants adds nothing (torchft zeroes it anyway)
+            buf[slot * n:(slot + 1) * n] = mine
+            w[slot] = float(weight)
+        works = [self.manager.allreduce(buf, reduce_op=ReduceOp.SUM), self.manager.allreduce(w, reduce_op=ReduceOp.SUM)]
+        self.bytes += buf.numel()
+        ok = all(work.wait() is not False for work in works) and not self.manager.errored()
+        self._weights = float(w.sum()) if ok else 0.0
+        return [(buf[i * n:(i + 1) * n], float(w[i])) for i in range(slots)] if ok else []
+
     @property
     def busy(self) -> bool:
         return self._pending is not None
@@ -217,19 +238,25 @@ class JoinsAndHeals:
         live replica's state there, so it trains from the global model. A discarded sync is tried again."""
         if self.fault_tolerance is None:
             return
-        while True:
-            self.begin_sync()
-            mean = self.join_tensors()
-            self.transport.average(mean, weight=0.0)
-            if self.transport.commit():
-                break
+        while not self.join_sync():
+            pass
         if self.transport.participants == 1 and not self.healed and tdist.get_rank() == 0:
             # Alone with nothing to heal from: torchft cannot tell a new job from one whose replicas are all gone.
             print(f"[acco_ds] replica {self.transport.replica_id}: alone in its first quorum at "
                   f"{self.transport.lighthouse}: the global model starts from this replica's own weights. If "
                   f"replicas of this run trained before and are all gone, their global model is not here: load a "
                   f"checkpoint (save_checkpoint per replica) or keep min_replicas above 1", flush=True)
+
+    def join_sync(self) -> bool:
+        """One sync of the replicas present, this replica with weight 0; True when it committed (then this
+        replica stands on the global model). A loop whose syncs are not averages (sparseloco) overrides it."""
+        self.begin_sync()
+        mean = self.join_tensors()
+        self.transport.average(mean, weight=0.0)
+        if not self.transport.commit():
+            return False
         self.after_join(mean)
+        return True
 
     def join_tensors(self) -> List[torch.Tensor]:
         """Zeros shaped like what the others average at the sync a joining replica takes part in."""

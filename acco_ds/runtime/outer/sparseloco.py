@@ -31,16 +31,8 @@ from . import words
 from .base import LocalSGD
 from .chunks import ChunkPlan, chunk_plan
 from .interface import ReplicaGroups, Shards
+from .sparse_tp import WholeTensors, whole_layout
 from ..reshard import Layout
-
-
-def refuse_unsupported(shards: Shards, groups: ReplicaGroups) -> None:
-    """What sparseloco does not run on yet, refused by name with the reason (the torch host's FSDP2 runs: its
-    per-parameter dim-0 shards get their own chunk layout)."""
-    if groups.tensor_parallel > 1:
-        raise ValueError('acco.mode "sparseloco" does not support tensor parallelism yet: a tensor-parallel rank '
-                         'holds a slice of each split tensor, so its chunks would not be the whole tensor\'s chunks '
-                         'of the contract. Train without tensor parallelism or use mode "diloco"')
 
 
 def fsdp2_layout(param, k: int) -> list:
@@ -57,60 +49,87 @@ class SparseLoCo(LocalSGD):
     dense_outer = False  # its own compression: acco.compression never applies to its outer step
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
-        refuse_unsupported(shards, groups)
+        layout = whole_layout(shards, groups.tensor_parallel) if groups.tensor_parallel > 1 else None
         super().__init__(acco, shards, groups)
         ls = self.local
         self.chunk, self.topk, self.decay = ls.chunk, ls.topk, ls.error_decay
         self.bits = ls.value_bits or 0  # 0: fp32 values (the wire format's b = 0)
         self.kernels = load_kernels(acco.kernels, shards.device)
-        self.plans: List[ChunkPlan] = [
+        # Tensor parallelism: chunks of whole tensors, dealt out to the replica's ranks (sparse_tp.py); else
+        # each rank packs the chunks that start in its partition (chunks.py)
+        self.whole = WholeTensors(layout, shards, groups, self.chunk) if layout is not None else None
+        self.plans: List[ChunkPlan] = [] if self.whole is not None else [
             chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], groups.k, groups.shard, self.chunk,
                        None if shards.flats is not None else fsdp2_layout(group[0][0], groups.k))
             for i, group in enumerate(shards.params)]
         self.momentum = []  # no outer momentum: the error buffer replaces it
         self.error = [torch.zeros_like(m) for m in shards.masters]
-        self.payload = sum(sparse_payload_bytes(p.offsets, self.topk, self.bits) for p in self.plans if p.chunks)
-        self.kept = sum(int(sparse_layout(p.offsets, self.topk, self.bits)[1][-1]) for p in self.plans if p.chunks)
-        self.owned = sum(int(p.offsets[-1]) for p in self.plans if p.chunks)  # elements in this rank's chunks
+        mine = [self.whole.offsets] if self.whole is not None else [p.offsets for p in self.plans]
+        mine = [o for o in mine if o.numel() > 1]
+        self.payload = sum(sparse_payload_bytes(o, self.topk, self.bits) for o in mine)
+        self.kept = sum(int(sparse_layout(o, self.topk, self.bits)[1][-1]) for o in mine)
+        self.owned = sum(int(o[-1]) for o in mine)  # elements in this rank's chunks
         self.boundary_bytes = 0  # bytes this rank sent to its replica's ranks for straddling chunks
         self.residual_norm: Optional[float] = None  # ‖e‖ of this replica after the last sync
 
     # ------------------------------------------------------------------ the sync
     @torch.no_grad()
     def _sync(self, sync) -> None:
+        self._sparse_sync()
+
+    def join_sync(self) -> bool:
+        """A replica that joins takes part in its first sync with weight 0 (``fault_tolerance.JoinsAndHeals``)."""
+        return self._sparse_sync(join=True)
+
+    @torch.no_grad()
+    def _sparse_sync(self, join: bool = False) -> bool:
+        """One sync; returns whether it committed (always, in a fixed fleet). This replica's merge weight is 0
+        when it joins, else ``merge_weight()`` (after the quorum: a replica that just healed adds nothing).
+        Unless its payload went into a committed average (weight > 0, commit), the replica's error buffers are
+        left as before the sync: what it did not send stays its own."""
         start = time.perf_counter()
-        average = []
-        for i, (plan, x, master, e) in enumerate(zip(self.plans, self.anchor, self.shards.masters, self.error)):
+        ft = self.fault_tolerance is not None
+        if ft:
+            self.begin_sync()
+        weight = 0.0 if join else self.merge_weight()
+        before = [e.clone() for e in self.error] if ft else None
+        for i, (x, master, e) in enumerate(zip(self.anchor, self.shards.masters, self.error)):
             e.mul_(self.decay).add_(x - master)
             if not bool(torch.isfinite(e).all()):
                 raise FloatingPointError(f"sparseloco: the pseudo-gradient of parameter group {i} is not finite at "
                                          f"sync {self.syncs + 1} (the inner steps diverged): lower the learning rate "
                                          f"or set gradient_clipping")
-            average.append(self._sync_group(plan, e))
-        for x, avg in zip(self.anchor, average):
-            x.sub_(avg, alpha=self.settings["outer_lr"])
-        self._install(self.anchor)
-        self.unsent_steps = 0
-        squares = sum(float(e.double().square().sum()) for e in self.error)
+        if self.whole is not None:
+            average = self._sync_whole(weight)
+        else:
+            average = [self._sync_group(plan, e, weight) for plan, e in zip(self.plans, self.error)]
+        committed = self.transport.commit()
+        if ft and (not committed or weight == 0):
+            for e, b in zip(self.error, before):
+                e.copy_(b)
+        if committed:  # (the average is zero when no replica contributed)
+            for x, avg in zip(self.anchor, average):
+                x.sub_(avg, alpha=self.settings["outer_lr"])
+            self._install(self.anchor)
+            self.unsent_steps = 0
+        segments = self.shards.norm_segments if self.whole is not None else None  # replicated tensors once
+        squares = sum(float(e.double().square().sum()) for e in self.error) if segments is None else sum(
+            float(e[a:a + n].double().square().sum()) for e, ranges in zip(self.error, segments) for a, n in ranges)
         self.residual_norm = math.sqrt(self.groups.reduce(squares, self.shards.device))
         seconds = time.perf_counter() - start
         self.outer_comm_s += seconds
         self.outer_wait_s += seconds
+        return committed
 
-    def _sync_group(self, plan: ChunkPlan, e: torch.Tensor) -> torch.Tensor:
-        """Pack this rank's chunks of one group, all-gather every replica's payload, return this rank's
-        partition of the average (``e`` keeps its residual)."""
+    def _sync_group(self, plan: ChunkPlan, e: torch.Tensor, weight: float) -> torch.Tensor:
+        """Pack this rank's chunks of one group, gather every replica's payload, return this rank's partition
+        of the weighted average (``e`` keeps its residual)."""
         P = plan.partition
         tails = self._exchange(plan, [e[:plan.head]] if plan.head else [], [n for _, n in plan.tails])
         ext = torch.cat([e, *tails]) if tails else e
         avg = torch.zeros_like(ext)
         if plan.chunks:
-            region = ext[plan.own_lo:plan.own_hi]
-            payload = self.kernels.sparse_pack(region, plan.offsets, topk=self.topk, value_bits=self.bits)
-            for indices, values, scales in self._all_gather(payload):
-                self.kernels.sparse_unpack_accumulate(avg[plan.own_lo:plan.own_hi], plan.offsets, indices, values,
-                                                      scales, topk=self.topk, value_bits=self.bits)
-            avg.div_(self.groups.replicas)
+            self._pack_and_average(ext[plan.own_lo:plan.own_hi], avg[plan.own_lo:plan.own_hi], plan.offsets, weight)
         if tails:  # ext is a copy: the partition's residual goes back into e
             e.copy_(ext[:P])
         # Hand each sending rank its residual and averaged update; take this rank's head back.
@@ -124,6 +143,29 @@ class SparseLoCo(LocalSGD):
             e[:plan.head].copy_(head[0][:plan.head])
             avg[:plan.head].copy_(head[0][plan.head:])
         return avg
+
+    def _sync_whole(self, weight: float) -> List[torch.Tensor]:
+        """Tensor parallelism: the whole model's chunks, this rank's share packed (``sparse_tp``)."""
+        w = self.whole
+        ext = w.assemble(self.error)
+        avg, residual = torch.zeros_like(ext), torch.zeros_like(ext)
+        if w.chunks:
+            self._pack_and_average(ext[w.lo:w.hi], avg[w.lo:w.hi], w.offsets, weight)
+            residual[w.lo:w.hi] = ext[w.lo:w.hi]
+        return w.spread(residual, avg, self.error)
+
+    def _pack_and_average(self, region: torch.Tensor, avg: torch.Tensor, offsets, weight: float) -> None:
+        """Pack ``region``'s chunks (it keeps the residual), gather every replica's payload, ``avg`` ← their
+        weighted average."""
+        payload = self.kernels.sparse_pack(region, offsets, topk=self.topk, value_bits=self.bits)
+        total = 0.0
+        for (indices, values, scales), w in self._gather(payload, weight):
+            total += w
+            if w:  # a replica with weight 0 (it just joined) adds nothing
+                self.kernels.sparse_unpack_accumulate(avg, offsets, indices, values, scales, topk=self.topk,
+                                                      value_bits=self.bits, weight=w)
+        if total > 0:
+            avg.div_(total)
 
     def _exchange(self, plan: ChunkPlan, sends: List[torch.Tensor], sizes: List[int], reverse: bool = False):
         """Point-to-point inside the replica: forward, this rank's head to its owner and the tails from the
@@ -142,21 +184,17 @@ class SparseLoCo(LocalSGD):
         self.boundary_bytes += sum(t.numel() * t.element_size() for t in sends)
         return received
 
-    def _all_gather(self, payload):
-        """Every replica's ``(indices, values, scales)`` of this shard's chunks, in replica order (one all-gather
-        of the payload's bytes over the outer group)."""
+    def _gather(self, payload, weight: float):
+        """Every replica's ``(indices, values, scales)`` of this shard's chunks, in replica order, with its merge
+        weight (one gather of the payload's bytes over the outer group: ``transport.gather``)."""
         parts = [t.contiguous().view(torch.uint8) for t in payload]
         sizes = [t.numel() for t in parts]
-        mine = torch.cat(parts)
-        gathered = [torch.empty_like(mine) for _ in range(self.groups.replicas)]
-        tdist.all_gather(gathered, mine, group=self.groups.outer_main)
-        self.transport.bytes += mine.numel()
-        for buf in gathered:
+        for buf, w in self.transport.gather(torch.cat(parts), weight):
             out, at = [], 0
             for t, n in zip(payload, sizes):
                 out.append(buf[at:at + n].clone().view(t.dtype))  # a copy: aligned for its dtype
                 at += n
-            yield out
+            yield out, w
 
     # ------------------------------------------------------------------ words and figures
     def banner(self) -> str:

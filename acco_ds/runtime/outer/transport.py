@@ -6,6 +6,8 @@ A sync of any local-SGD loop runs, in this order:
   peer's state here and then contributes nothing to this sync);
 * ``average(tensors)`` (blocking) or ``average_async(tensors)`` then ``collect()``: every tensor
   becomes its mean over the replicas, in place;
+* or ``gather(bytes)``: every replica's bytes with its merge weight (sparseloco's payloads, whose indices
+  differ per replica: no all-reduce can sum them);
 * ``commit()``: whether every participant got the mean (when False the loop discards the sync:
   anchor and momentum stay as they were).
 
@@ -16,7 +18,7 @@ same calls through torchft's Manager.
 """
 
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -67,6 +69,14 @@ class GroupTransport:
             tdist.all_reduce(t, group=group)
             t.div_(self.groups.replicas)
         return time.perf_counter() - start
+
+    def gather(self, mine: torch.Tensor, weight: float = 1.0) -> List[Tuple[torch.Tensor, float]]:
+        """Every replica's ``mine`` (bytes, the same size on every replica; sparse payloads), in replica order,
+        each with its merge weight (1 in a fixed fleet): one all-gather over the outer group."""
+        gathered = [torch.empty_like(mine) for _ in range(self.groups.replicas)]
+        tdist.all_gather(gathered, mine, group=self.groups.outer_main)
+        self.bytes += mine.numel()
+        return [(buf, 1.0) for buf in gathered]
 
     def average_async(self, tensors: List[torch.Tensor], keys=None, weight: float = 1.0) -> None:
         """Start ``average`` on the communication thread; ``collect`` waits for it."""
