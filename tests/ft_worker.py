@@ -125,6 +125,25 @@ def main():
 
     outer._blocking_sync = observed_sync
     outer.transport.average = dying_average
+    if hasattr(outer, "_sparse_sync"):  # sparseloco: its syncs gather payloads, and keep error buffers
+        sparse_sync, gather = outer._sparse_sync, outer.transport.gather
+
+        def observed_sparse_sync(join=False):
+            before, errors = [t.clone() for t in outer.anchor], [t.clone() for t in outer.error]
+            committed = sparse_sync(join)
+            out["quorums"].append({"committed": committed, "participants": outer.transport.participants,
+                                   "join": join, "anchor_before": before,
+                                   "anchor_after": [t.clone() for t in outer.anchor], "error_before": errors,
+                                   "error_after": [t.clone() for t in outer.error]})
+            return committed
+
+        def dying_gather(mine, weight=1.0):
+            die = control().get("die", {}).get(name)
+            if die is not None and engine.acco_syncs >= die:  # in the quorum, the others in its all-reduce
+                os.kill(os.getpid(), signal.SIGKILL)
+            return gather(mine, weight)
+
+        outer._sparse_sync, outer.transport.gather = observed_sparse_sync, dying_gather
     data_rank = replica * world + rank
     micro, last_syncs = 0, engine.acco_syncs
     gas = spec["config"]["gradient_accumulation_steps"]

@@ -105,6 +105,47 @@ def test_sparseloco_without_failures_equals_the_simulator(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sparseloco_sync_discarded_by_a_death_leaves_anchor_and_error_buffers_alone(tmp_path):
+    """Two sparseloco replicas of one rank; replica 1 is SIGKILLed inside a sync's gather (torchft's all-reduce).
+    The survivor discards that sync: its anchor and its error-feedback buffer stay bit for bit as they were
+    before the sync (its progress goes into the next sync's pseudo-gradient), and its next sync commits alone."""
+    cfg = common.ds_config(acco={"mode": "sparseloco", "local_sgd": {"sync_every": H, "chunk": 16, "topk": 4},
+                                 "fault_tolerance": {"min_replicas": 1, "timeout_s": 20, "quorum_timeout_s": 120}},
+                           gas=GAS)
+    slow = {"sleep_per_step": 0.5, "syncs": 10_000}
+
+    def syncs(name):
+        return fleet.progress(name).get("syncs", -1)
+
+    def control(**values):
+        (tmp_path / "control.json.tmp").write_text(json.dumps(values))
+        (tmp_path / "control.json.tmp").replace(tmp_path / "control.json")
+
+    with Fleet(tmp_path, min_replicas=1) as fleet:
+        fleet.start("r0", {"config": cfg, **slow})
+        fleet.start("r1", {"config": cfg, **slow})
+        fleet.wait_for(lambda: syncs("r1") >= 2, 240, "two syncs of both replicas")
+        control(die={"r1": syncs("r1") + 1})
+        assert fleet.wait("r1", 120) == [-9], "replica 1 was to die inside a gather"
+        died_at = syncs("r0")
+        fleet.wait_for(lambda: syncs("r0") >= died_at + 2, 120, "the survivor to commit after the discarded sync")
+        control(stop_at_syncs=syncs("r0") + 1)
+        assert fleet.wait("r0", 240) == [0], fleet.logs("r0")
+    r0 = fleet.result("r0")
+    synced = [q for q in r0["quorums"] if not q["join"]]
+    discarded = [q for q in synced if not q["committed"]]
+    assert len(discarded) == 1 and r0["stats"]["syncs_discarded"] == 1, [q["committed"] for q in synced]
+    q = discarded[0]
+    assert all(torch.equal(a, b) for a, b in zip(q["anchor_before"], q["anchor_after"]))
+    assert all(torch.equal(a, b) for a, b in zip(q["error_before"], q["error_after"]))
+    assert any(e.abs().sum() > 0 for e in q["error_before"]), "the error buffer held nothing: the test would not see it"
+    after = synced[synced.index(q) + 1]
+    assert after["committed"] and after["participants"] == 1
+    assert not all(torch.equal(a, b) for a, b in zip(after["error_before"], after["error_after"]))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
     """Three replicas of one rank, diloco. Replica 2 is SIGKILLed mid-period: the survivors' syncs go on with
