@@ -38,8 +38,10 @@ rm -f "$OUT"/*.log
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCHFT_LIGHTHOUSE=http://localhost:$PORT
 
 groups=()  # the process groups this script started, each led by a `setsid` child (its PID is the group's id)
+sleeper=  # the `sleep` that `pause` waits for
 cleanup() {  # stop what this script started, whatever happened: every group, children included
   trap - EXIT INT TERM
+  [ -n "$sleeper" ] && kill "$sleeper" 2>/dev/null || true
   for pid in "${groups[@]}"; do kill -TERM -- -"$pid" 2>/dev/null || true; done
   for _ in 1 2 3 4 5 6 7 8 9 10; do  # up to 2 s to exit, then SIGKILL
     alive=0
@@ -66,10 +68,20 @@ replica() {  # replica <id> <log>: one deepspeed launch of one rank, in its own 
   last=$!
   groups+=("$last")
 }
+# Waiting runs no foreground command: when Ctrl-C reaches a foreground child that then exits normally
+# (a `grep` or `sleep` just finishing), bash drops the SIGINT and its trap never runs. `wait` is interrupted at
+# once by a trapped signal, and the background `sleep` it waits for ignores SIGINT (cleanup stops it).
+pause() { sleep "$1" & sleeper=$!; wait "$sleeper"; sleeper=; }
+shows() {  # shows <log> <text>: the log has a line with text (builtins only)
+  local line
+  [ -f "$1" ] || return 1
+  while IFS= read -r line || [ -n "$line" ]; do [[ $line == *"$2"* ]] && return 0; done < "$1"
+  return 1
+}
 wait_for() {  # wait_for <log> <text> <pid>: until the log shows text; fails if the process ends first
-  until grep -q "$2" "$1" 2>/dev/null; do
+  until shows "$1" "$2"; do
     kill -0 "$3" 2>/dev/null || { echo "$1 ended before \"$2\":" >&2; tail -20 "$1" >&2; return 1; }
-    sleep 0.5
+    pause 0.5
   done
 }
 
@@ -79,13 +91,13 @@ replica 0 "$OUT/replica0.log"; r0=$last
 replica 1 "$OUT/replica1.log"; r1=$last
 replica 2 "$OUT/replica2.log"; r2=$last
 wait_for "$OUT/replica2.log" "ACCO engine" "$r2"
-sleep "$KILL_AFTER"
+pause "$KILL_AFTER"
 kill -9 -- -"$r2"
 wait "$r2" 2>/dev/null || true  # reaped here, quietly
-echo "$(date +%T) killed replica 2 (SIGKILL); replicas 0 and 1 go on; relaunching it in $DOWN s"
-sleep "$DOWN"
+printf '%(%T)T killed replica 2 (SIGKILL); replicas 0 and 1 go on; relaunching it in %s s\n' -1 "$DOWN"
+pause "$DOWN"
 replica 2 "$OUT/replica2_relaunched.log"; r2=$last
-echo "$(date +%T) relaunched replica 2: it heals from a live replica at their next sync"
+printf '%(%T)T relaunched replica 2: it heals from a live replica at their next sync\n' -1
 status=0
 for pid in "$r0" "$r1" "$r2"; do wait "$pid" || status=$?; done
 for log in replica0 replica1 replica2_relaunched; do

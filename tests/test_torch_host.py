@@ -34,6 +34,9 @@ def local_reference(world, k, mode, model="tiny", steps=8, H=4, **streaming):
                               outer_momentum=momentum, nesterov=nesterov, **streaming)
 
 
+SPARSE = dict(chunk=16, topk=4, value_bits=2)  # sparseloco: a chunk straddles the shards (tests/test_sparseloco.py)
+
+
 def run(runs, world=2, timeout=400):
     return launch({"runs": runs}, world_size=world, timeout=timeout, worker=WORKER)
 
@@ -158,6 +161,8 @@ def test_resume_continues_bit_for_bit(tmp_path):
     cases = [(2, config("acco"), None), (2, config("dpu", accumulation="adaptive"), None),
              (4, local("diloco", 2, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5), 2),
              (4, local("co2", 2), None)]
+    # sparseloco: the error-feedback buffers resume too (ZeRO-1's flat partitions, and FSDP2's row shards)
+    cases += [(4, local("sparseloco", 2, H=2, **SPARSE), fsdp) for fsdp in (None, 2)]
     for world in (2, 4):  # the cases of one world size share their launches
         bases = [dict(config=cfg, steps=6, fsdp=fsdp, lr_schedule=True) for w, cfg, fsdp in cases if w == world]
         ckpts = [str(tmp_path / f"ckpt{world}_{i}") for i in range(len(bases))]
@@ -181,12 +186,15 @@ def test_a_checkpoint_of_another_layout_is_resharded_and_a_weights_only_load(tmp
     alone load into another layout and the optimizer starts afresh."""
     from test_reshard import stock_partition
     from test_resharding import damaged, loss_on
-    plain, fsdp = str(tmp_path / "c"), str(tmp_path / "f")
+    plain, fsdp, sparse = str(tmp_path / "c"), str(tmp_path / "f"), str(tmp_path / "s")
     run([dict(config=config("acco"), steps=2, save_at=2, save=plain, groups=True),
-         dict(config=local("diloco", 2), steps=3, save_at=3, save=fsdp, fsdp=2)], world=4)
+         dict(config=local("diloco", 2), steps=3, save_at=3, save=fsdp, fsdp=2),
+         dict(config=local("sparseloco", 2, H=2, **SPARSE), steps=3, save_at=3, save=sparse, fsdp=2)], world=4)
     broken = damaged(plain, tmp_path, name="rank3.pt")
     loads = [dict(config=config("acco"), steps=6, load=plain, groups=True, export_shards=True, finalize=True),
              dict(config=local("diloco", 1), steps=6, load=fsdp, fsdp=1, export_shards=True, finalize=True)]
+    loads.append(dict(config=local("sparseloco", 1, H=2, **SPARSE), steps=6, load=sparse, fsdp=1, export_shards=True,
+                      finalize=True))
     loads += [dict(config=config("acco"), steps=6, load=path, load_error=True) for _, path, _ in broken]
     loads.append(dict(config=config("sync"), steps=3, load=plain, load_kwargs={"load_optimizer_states": False}))
     out = launch({"runs": loads}, world_size=2, timeout=300, worker=WORKER, workdir=tmp_path / "logs")
@@ -213,14 +221,21 @@ def test_a_checkpoint_of_another_layout_is_resharded_and_a_weights_only_load(tmp
             assert torch.equal(r["loaded"]["outer"]["anchor"][i], torch.cat([sd["outer"]["anchor"][i]
                                                                               for sd in shards[:2]]))
         assert r["global_steps"] == 6 and torch.equal(r["final_params"], out[0][1]["final_params"])
-    for j, (how, _, name) in enumerate(broken, start=2):
+    olds = [torch.load(f"{sparse}/rank{r}.pt", weights_only=False) for r in range(4)]
+    for rank in range(2):  # sparseloco: each new replica's error buffer is its mapped old replica's, whole
+        r = out[rank][2]
+        for i, error in enumerate(r["loaded"]["outer"]["error"]):
+            assert torch.equal(error, torch.cat([sd["outer"]["error"][i] for sd in olds[2 * rank:2 * rank + 2]]))
+        assert any(e.abs().sum() > 0 for e in r["loaded"]["outer"]["error"])
+        assert r["global_steps"] == 6 and torch.equal(r["final_params"], out[0][2]["final_params"])
+    for j, (how, _, name) in enumerate(broken, start=3):
         for rank in range(2):
             err = out[rank][j]["load_error"]
             assert name in err and ("is partial" in err if how == "missing" else "truncated or corrupted" in err), err
     r = out[0][-1]  # the weights alone, into another world size: the optimizer restarts from them
     assert r["global_steps"] == 1 and r["losses"][-1] < r["losses"][0]
     text = (tmp_path / "logs" / "rank0.log").read_text()
-    assert text.count("[acco_ds] ACCO: resharded the checkpoint") == 2, text[-3000:]
+    assert text.count("[acco_ds] ACCO: resharded the checkpoint") == 3, text[-3000:]
     assert "from 4 data-parallel ranks to 2 data-parallel ranks" in text and "from 2 replicas x 2 ranks to 2 " \
         "replicas x 1 rank" in text and "resharded" not in (tmp_path / "logs" / "rank1.log").read_text()
 
