@@ -52,9 +52,12 @@ def start(tmp_path, name, bin_dir=Path(sys.executable).parent):
     env = dict(os.environ, QUICK="1", OUT=str(tmp_path / name), PORT=str(free_port()), MASTER_PORT=str(free_port()),
                BIN=str(bin_dir), DS_ACCELERATOR="cpu", **{TAG: tag},
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    # A session of its own, as a terminal's foreground job: Ctrl-C signals the script's whole group.
+    # A session of its own, as a terminal's foreground job: Ctrl-C signals the script's whole group. SIGINT as a
+    # terminal leaves it: a test run started in the background (`make test &`) ignores SIGINT, a child inherits
+    # that, and bash cannot trap a signal ignored on entry, so the script would never see the Ctrl-C.
     proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, tag
 
 
