@@ -110,6 +110,17 @@ class Fleet:
         except (OSError, ValueError):
             return {}
 
+    def syncs(self, name: str) -> int:
+        """The outer syncs replica ``name`` had done at its last report (-1 before the first)."""
+        return self.progress(name).get("syncs", -1)
+
+    def control(self, **values) -> None:
+        """Steer the running replicas (``ft_worker.py`` reads ``control.json`` every step): ``die``,
+        ``stop_at_syncs``."""
+        tmp = self.workdir / "control.json.tmp"
+        tmp.write_text(json.dumps(values))
+        tmp.replace(self.workdir / "control.json")
+
     def result(self, name: str, rank: int = 0):
         import torch
         return torch.load(self.workdir / f"{name}.rank{rank}.pt", weights_only=False)

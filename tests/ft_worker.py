@@ -117,10 +117,13 @@ def main():
         except (OSError, ValueError):
             return {}
 
-    def dying_average(tensors, keys=None, weight=1.0, side=False):
+    def die_if_told():
         die = control().get("die", {}).get(name)
         if die is not None and engine.acco_syncs >= die:  # in the quorum, the others in its all-reduce
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def dying_average(tensors, keys=None, weight=1.0, side=False):
+        die_if_told()
         return average(tensors, keys, weight, side)
 
     outer._blocking_sync = observed_sync
@@ -138,9 +141,7 @@ def main():
             return committed
 
         def dying_gather(mine, weight=1.0):
-            die = control().get("die", {}).get(name)
-            if die is not None and engine.acco_syncs >= die:  # in the quorum, the others in its all-reduce
-                os.kill(os.getpid(), signal.SIGKILL)
+            die_if_told()
             return gather(mine, weight)
 
         outer._sparse_sync, outer.transport.gather = observed_sparse_sync, dying_gather

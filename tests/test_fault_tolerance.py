@@ -4,7 +4,6 @@ nobody; one killed inside an outer all-reduce makes every survivor discard that 
 for bit) and commit the next; a relaunched replica heals from a live one and every replica ends on the
 same committed weights; bad settings and bad luck give errors that name the fix."""
 
-import json
 import time
 
 import pytest
@@ -115,22 +114,15 @@ def test_a_sparseloco_sync_discarded_by_a_death_leaves_anchor_and_error_buffers_
                            gas=GAS)
     slow = {"sleep_per_step": 0.5, "syncs": 10_000}
 
-    def syncs(name):
-        return fleet.progress(name).get("syncs", -1)
-
-    def control(**values):
-        (tmp_path / "control.json.tmp").write_text(json.dumps(values))
-        (tmp_path / "control.json.tmp").replace(tmp_path / "control.json")
-
     with Fleet(tmp_path, min_replicas=1) as fleet:
         fleet.start("r0", {"config": cfg, **slow})
         fleet.start("r1", {"config": cfg, **slow})
-        fleet.wait_for(lambda: syncs("r1") >= 2, 240, "two syncs of both replicas")
-        control(die={"r1": syncs("r1") + 1})
+        fleet.wait_for(lambda: fleet.syncs("r1") >= 2, 240, "two syncs of both replicas")
+        fleet.control(die={"r1": fleet.syncs("r1") + 1})
         assert fleet.wait("r1", 120) == [-9], "replica 1 was to die inside a gather"
-        died_at = syncs("r0")
-        fleet.wait_for(lambda: syncs("r0") >= died_at + 2, 120, "the survivor to commit after the discarded sync")
-        control(stop_at_syncs=syncs("r0") + 1)
+        died_at = fleet.syncs("r0")
+        fleet.wait_for(lambda: fleet.syncs("r0") >= died_at + 2, 120, "the survivor to commit after the discarded sync")
+        fleet.control(stop_at_syncs=fleet.syncs("r0") + 1)
         assert fleet.wait("r0", 240) == [0], fleet.logs("r0")
     r0 = fleet.result("r0")
     synced = [q for q in r0["quorums"] if not q["join"]]
@@ -155,29 +147,23 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
     end on the same committed weights after the same syncs, exit code 0."""
     slow = {"sleep_per_step": 0.5, "syncs": 10_000}  # the test says when to stop (control.json)
 
-    def syncs(name):
-        return fleet.progress(name).get("syncs", -1)
-
-    def control(**values):
-        (tmp_path / "control.json.tmp").write_text(json.dumps(values))
-        (tmp_path / "control.json.tmp").replace(tmp_path / "control.json")
-
     with Fleet(tmp_path, min_replicas=1) as fleet:
         fleet.start("r0", {"config": ft_config(), **slow})
         fleet.start("r1", {"config": ft_config(), **slow})
         fleet.start("r2", {"config": ft_config(), "die_at_micro": 9, **slow})  # mid-period 3
         assert fleet.wait("r2", 240) == [-9], "replica 2 was to die mid-period"
-        dead_at = syncs("r0")
-        fleet.wait_for(lambda: syncs("r0") >= dead_at + 2, 120, "the survivors to sync on without replica 2")
+        dead_at = fleet.syncs("r0")
+        fleet.wait_for(lambda: fleet.syncs("r0") >= dead_at + 2, 120, "the survivors to sync on without replica 2")
         fleet.start("r2_again", {"config": ft_config(), **slow}, replica_id=2)
-        fleet.wait_for(lambda: syncs("r2_again") >= 0, 240, "the relaunched replica to join")
-        joined = syncs("r2_again")  # written right after its join: the survivors' count
-        fleet.wait_for(lambda: syncs("r2_again") > joined, 60, "a sync of the relaunched replica after its join")
-        control(die={"r1": syncs("r1") + 1})
+        fleet.wait_for(lambda: fleet.syncs("r2_again") >= 0, 240, "the relaunched replica to join")
+        joined = fleet.syncs("r2_again")  # written right after its join: the survivors' count
+        fleet.wait_for(lambda: fleet.syncs("r2_again") > joined, 60, "a sync of the relaunched replica after its join")
+        fleet.control(die={"r1": fleet.syncs("r1") + 1})
         assert fleet.wait("r1", 120) == [-9], "replica 1 was to die inside an all-reduce"
-        died_at = syncs("r0")
-        fleet.wait_for(lambda: syncs("r0") >= died_at + 2, 120, "the survivors to commit after the discarded sync")
-        control(stop_at_syncs=max(syncs("r0"), syncs("r2_again")) + 2)
+        died_at = fleet.syncs("r0")
+        fleet.wait_for(lambda: fleet.syncs("r0") >= died_at + 2, 120,
+                       "the survivors to commit after the discarded sync")
+        fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r2_again")) + 2)
         codes = [fleet.wait(r, 240) for r in ("r0", "r2_again")]
         assert codes == [[0], [0]], fleet.logs("r0") + fleet.logs("r2_again")
     r0, r2 = fleet.result("r0"), fleet.result("r2_again")
@@ -273,21 +259,17 @@ def test_the_torch_host_under_torchrun_heals_a_relaunched_replica(tmp_path):
         "fault_tolerance": {"min_replicas": 1, "timeout_s": 20, "quorum_timeout_s": 120}}}
     spec = {"host": "torch", "config": cfg, "syncs": 10_000, "sleep_per_step": 0.3, "model": "deep"}
 
-    def syncs(name):
-        return fleet.progress(name).get("syncs", -1)
-
     with Fleet(tmp_path, min_replicas=1) as fleet:
         fleet.start("r0", spec, ranks=2, torchrun=True)
         fleet.start("r1", {**spec, "die_at_micro": 20}, ranks=2, torchrun=True)
         assert fleet.wait("r1", 240) != [0], "replica 1 was to die mid-run"
-        dead_at = syncs("r0")
-        fleet.wait_for(lambda: syncs("r0") >= dead_at + 2, 120, "replica 0 to sync on alone")
+        dead_at = fleet.syncs("r0")
+        fleet.wait_for(lambda: fleet.syncs("r0") >= dead_at + 2, 120, "replica 0 to sync on alone")
         fleet.start("r1_again", spec, ranks=2, torchrun=True, replica_id=1)
-        fleet.wait_for(lambda: syncs("r1_again") >= 0, 240, "the relaunched replica to join")
-        joined = syncs("r1_again")
-        fleet.wait_for(lambda: syncs("r1_again") >= joined + 3, 120, "syncs after the join")
-        (tmp_path / "control.json").write_text(json.dumps(
-            {"stop_at_syncs": max(syncs("r0"), syncs("r1_again")) + 2}))
+        fleet.wait_for(lambda: fleet.syncs("r1_again") >= 0, 240, "the relaunched replica to join")
+        joined = fleet.syncs("r1_again")
+        fleet.wait_for(lambda: fleet.syncs("r1_again") >= joined + 3, 120, "syncs after the join")
+        fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r1_again")) + 2)
         assert [fleet.wait(r, 240) for r in ("r0", "r1_again")] == [[0], [0]], fleet.logs("r1_again")
     for rank in range(2):
         r0, r1 = fleet.result("r0", rank), fleet.result("r1_again", rank)
