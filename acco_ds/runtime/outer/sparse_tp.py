@@ -106,11 +106,10 @@ class WholeTensors:
         tdist.all_gather_into_tensor(flat, e, group=self.groups.replica_main)
         return flat
 
-    def spread(self, residual: torch.Tensor, average: torch.Tensor, error: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Hand every rank of the replica its part: ``residual`` and ``average`` are whole-model buffers, zero
-        outside this rank's chunks; ``error`` (this rank's partitions) takes its residual, and the return is
-        its partitions of the average."""
-        both = torch.stack([residual, average])
+    def spread(self, both: torch.Tensor, error: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Hand every rank of the replica its part: ``both`` is [residual, average] over the whole model, zero
+        outside this rank's chunks (summed in place); ``error`` (this rank's partitions) takes its residual, and
+        the return is its partitions of the average."""
         tdist.all_reduce(both, group=self.tp_group)
         if self.groups.k > 1:
             tdist.all_reduce(both, group=self.groups.replica_main)

@@ -148,11 +148,12 @@ class SparseLoCo(LocalSGD):
         """Tensor parallelism: the whole model's chunks, this rank's share packed (``sparse_tp``)."""
         w = self.whole
         ext = w.assemble(self.error)
-        avg, residual = torch.zeros_like(ext), torch.zeros_like(ext)
+        both = ext.new_zeros(2, ext.numel())  # [residual, average], zero outside this rank's chunks
         if w.chunks:
-            self._pack_and_average(ext[w.lo:w.hi], avg[w.lo:w.hi], w.offsets, weight)
-            residual[w.lo:w.hi] = ext[w.lo:w.hi]
-        return w.spread(residual, avg, self.error)
+            self._pack_and_average(ext[w.lo:w.hi], both[1, w.lo:w.hi], w.offsets, weight)
+            both[0, w.lo:w.hi] = ext[w.lo:w.hi]
+        del ext
+        return w.spread(both, self.error)
 
     def _pack_and_average(self, region: torch.Tensor, avg: torch.Tensor, offsets, weight: float) -> None:
         """Pack ``region``'s chunks (it keeps the residual), gather every replica's payload, ``avg`` ← their
