@@ -74,6 +74,20 @@ class Inputs:
     overlap_compute: float = 1.0  # kappa: compute slows by this while communication runs beside it (CPU: > 1)
     overlap_comm: float = 1.0  # lambda: communication slows by this while compute runs beside it
     overlap_outer_compute: Optional[float] = None  # kappa beside local SGD's outer syncs (default overlap_compute)
+    # A what-if for comparing with simulators that release every reduction bucket by bucket during the
+    # backward pass (the Streaming DiLoCo paper's): the fraction of a step's compute that the reduction issued
+    # in that step may run behind (backward = 2/3 of forward + backward). acco_ds's rounds and outer syncs
+    # start after the step, so the plan's own rows keep 0. Applies to stock's gradient reduction, sync's round,
+    # and diloco's and Streaming DiLoCo's outer syncs.
+    backward_overlap: float = 0.0
+    outer_bytes: Optional[float] = None  # bytes per element of an uncompressed outer sync (acco_ds: fp32, 4)
+
+    def __post_init__(self):
+        if not 0.0 <= self.backward_overlap < 1.0:
+            raise ValueError(f"backward_overlap {self.backward_overlap!r} must be in [0, 1): the fraction of a "
+                             f"step's compute that a reduction issued in it can hide behind (backward: about 2/3)")
+        if self.outer_bytes is not None and self.outer_bytes <= 0:
+            raise ValueError(f"outer_bytes {self.outer_bytes!r} must be positive (bytes per element of an outer sync)")
 
     @property
     def world(self) -> int:
@@ -146,7 +160,7 @@ def outer_allreduce(inp: Inputs, numel: float, compressed: bool):
     the R replicas, one rail per rank (each rank all-reduces its 1/k shard): a reduce-scatter and an all-gather
     over R, fp32 (the pseudo-gradient is computed from fp32 shards) unless compressed."""
     r = inp.nodes
-    b = 1.0 + 4.0 / inp.block_size if compressed else 4.0
+    b = 1.0 + 4.0 / inp.block_size if compressed else (inp.outer_bytes or 4.0)
     cut = 2 * (r - 1) / r * numel * b
     return cut / (inp.inter_bps / 8) + 2 * (r - 1) * inp.inter_latency_s, cut
 
@@ -210,15 +224,17 @@ def evaluate(inp: Inputs, m: Mode) -> dict:
     n = inp.params
     comp = m.compression is not None
     multiplier, per_sync, peak = 1.0, None, None
+    behind = inp.backward_overlap * c  # compute a reduction released during the backward can hide behind
     if m.mode == "zero1":
         comm, cut = stock_comm(inp)
-        step = c + comm
+        # the gradient all-reduce is 2/3 of stock's bytes; the parameter all-gather follows the step
+        step = c + (exposed(inp, behind, comm * 2 / 3) + comm / 3 if behind else comm)
     elif m.mode in ("sync", "dpu", "acco"):
         rs, cut_rs = node_aware(inp, n, comp)
         ag, cut_ag = node_aware(inp, n, comp)
         rnd, cut = rs + ag, cut_rs + cut_ag
         if m.mode == "sync":
-            step = c + rnd  # nothing overlaps
+            step = c + (exposed(inp, behind, rnd) if behind else rnd)  # nothing overlaps (what-if: backward)
         elif m.mode == "dpu":
             step = c + exposed(inp, c, rnd)  # the round of step t runs beside the compute of step t+1
         else:
@@ -243,14 +259,14 @@ def evaluate(inp: Inputs, m: Mode) -> dict:
             t_sync, per_sync = outer_allreduce(inp, n, comp)
             if m.fragments > 1 or m.delay:  # Streaming DiLoCo: one fragment per window, hidden behind τ steps
                 t_frag = t_sync / m.fragments + (1 - 1 / m.fragments) * 2 * (inp.nodes - 1) * inp.inter_latency_s
-                exposed_sync = m.fragments * exposed(inp, m.delay * s_in, t_frag, outer=True)
+                exposed_sync = m.fragments * exposed(inp, m.delay * s_in + behind, t_frag, outer=True)
                 peak = per_sync / m.fragments
             elif m.mode == "co2":  # the all-reduce runs during the whole next period
                 exposed_sync = exposed(inp, h * s_in, t_sync, outer=True)
             elif m.mode == "edit":  # layer-wise: hidden behind the first forward pass of the next step
                 exposed_sync = exposed(inp, c / (3 * inp.micro_batches), t_sync, outer=True)
             else:
-                exposed_sync = t_sync
+                exposed_sync = exposed(inp, behind, t_sync, outer=True) if behind else t_sync
         peak = per_sync if peak is None else peak
         step = s_in + exposed_sync / h
         cut = per_sync / h

@@ -18,6 +18,12 @@ from acco_ds import plan_model as pm  # noqa: E402
 # "400x reduction in communication bandwidth compared to traditional data-parallel", compute utilization 96%
 # (nodes within the US) and 83% (across continents).
 INTELLECT = {"params": 10e9, "nodes": 14, "sync_every": 100, "utilization": {"US": 0.96, "global": 0.83}}
+# The report's Table 2 (as quoted by a public summary of it; the report itself was not read here): 100 inner
+# steps take 38 minutes in every setting; the median all-reduce takes 103 s (nodes in the USA), 382 s (USA and
+# Europe), 469 s (global), and compute utilization is 95.7%, 85.6%, 83.0%; the bandwidth between nodes
+# fluctuated between 500 Mbit/s and 4 Gbit/s.
+INTELLECT_TABLE2 = {"inner_s": 38 * 60 / 100, "bandwidth_gbit": (0.5, 4.0),
+                    "settings": {"USA": (103, 0.957), "USA + Europe": (382, 0.856), "Global": (469, 0.830)}}
 
 
 def intellect_reduction() -> float:
@@ -39,12 +45,87 @@ def intellect_bandwidth_step_product(utilization: float) -> float:
     return bits / (INTELLECT["sync_every"] * (1 / utilization - 1)) / 1e9
 
 
+def intellect_share():
+    """{setting: (published utilization, the plan's utilization with the measured all-reduce time, the per-node
+    bandwidth at which the plan's int8 all-reduce takes that time (Gbit/s))}: the plan's blocking-sync rule
+    (H·s / (H·s + t_sync)) and its byte count (2(R−1)/R·N·(1 + 4/256) bytes a node sends) against Table 2."""
+    inp = pm.Inputs(params=int(INTELLECT["params"]), tokens_per_step=1, nodes=INTELLECT["nodes"], ranks_per_node=1,
+                    compute_s=INTELLECT_TABLE2["inner_s"], inter_latency_s=0.0)
+    bits = 8 * pm.outer_allreduce(inp, inp.params, compressed=True)[1]
+    out = {}
+    for name, (sync_s, published) in INTELLECT_TABLE2["settings"].items():
+        gbit = bits / sync_s / 1e9
+        out[name] = (published, intellect_utilization(gbit, INTELLECT_TABLE2["inner_s"]), gbit)
+    return out
+
+
 def intellect_utilization(gbit: float, step_s: float) -> float:
     """The plan's compute utilization of INTELLECT-1's setup at ``gbit`` between nodes and ``step_s`` per step."""
     inp = pm.Inputs(params=int(INTELLECT["params"]), tokens_per_step=1, nodes=INTELLECT["nodes"], ranks_per_node=1,
                     compute_s=step_s, inter_bps=gbit * 1e9, inter_latency_s=0.0)
     m = pm.Mode("diloco int8", "diloco", compression="int8", sync_every=INTELLECT["sync_every"])
     return pm.evaluate(inp, m)["compute_utilization"]
+
+
+# Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), Table 4: the Gbit/s each method needs to reach a
+# compute utilization (the first point of the paper's log grid that reaches it). Stated there: step time from
+# the Kaplan FLOP rule at 60% MFU, H = 100, fragments of 3 layers (1B: 24 layers, 10B: 48, 100B: 108). Stated by
+# the first author's public simulator of that figure: 2 workers, bf16 values (FP4: half a byte), gradients and
+# outer gradients released bucket by bucket over the backward pass (2/3 of a step), no latency, and a sync
+# must finish within its step (data parallel, DiLoCo) or within tau more steps (overlapped: tau = 1).
+UTILIZATIONS = (0.50, 0.80, 0.90, 0.95, 0.99)
+TABLE4 = {  # (params, step seconds, fragments): {method: Gbit/s for each of UTILIZATIONS}
+    (1e9, 0.1, 8): {"data-parallel": (86.8, 152.6, 184.2, 222.3, 569.0), "DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
+                    "Streaming DiLoCo": (1.4, 5.2, 9.1, 16.0, 28.1), "overlapped": (1.4, 4.3, 6.2, 9.1, 11.0),
+                    "overlapped FP4": (0.4, 0.9, 1.7, 2.0, 3.0)},
+    (10e9, 0.8, 16): {"data-parallel": (104.8, 222.3, 222.3, 268.3, 471.5), "DiLoCo": (1.7, 7.5, 16.0, 33.9, 104.8),
+                      "Streaming DiLoCo": (1.7, 5.2, 9.1, 13.3, 19.3), "overlapped": (1.7, 3.6, 5.2, 6.2, 7.5),
+                      "overlapped FP4": (0.4, 0.9, 1.4, 1.4, 1.7)},
+    (100e9, 4.9, 36): {"data-parallel": (184.2, 323.8, 390.7, 390.7, 471.5), "DiLoCo": (3.0, 11.0, 23.3, 49.4, 184.2),
+                       "Streaming DiLoCo": (2.4, 6.2, 9.1, 11.0, 19.3), "overlapped": (1.7, 3.6, 4.3, 5.2, 5.2),
+                       "overlapped FP4": (0.5, 0.9, 1.1, 1.1, 1.4)},
+}
+STREAMING_H, BACKWARD = 100, 2 / 3
+
+
+def streaming_row(method: str, fragments: int):
+    """The plan's row for one of Table 4's methods, and the bytes per value its outer sync sends."""
+    if method == "data-parallel":
+        return pm.Mode("sync", "sync"), 2.0  # one all-reduce of bf16 gradients per step
+    if method == "DiLoCo":
+        return pm.Mode("diloco", "diloco", sync_every=STREAMING_H), 2.0
+    delay = 0 if method == "Streaming DiLoCo" else 1
+    return (pm.Mode("streaming", "diloco", sync_every=STREAMING_H, fragments=fragments, delay=delay),
+            0.5 if method.endswith("FP4") else 2.0)
+
+
+def streaming_utilization(params: float, step_s: float, fragments: int, method: str, gbit: float) -> float:
+    """The plan's compute utilization for one method of Table 4 at ``gbit`` between the two workers."""
+    mode, value_bytes = streaming_row(method, fragments)
+    inp = pm.Inputs(params=int(params), tokens_per_step=1, nodes=2, ranks_per_node=1, compute_s=step_s,
+                    inter_bps=gbit * 1e9, inter_latency_s=0.0, dtype="bf16", outer_bytes=value_bytes,
+                    backward_overlap=BACKWARD)
+    return pm.evaluate(inp, mode)["compute_utilization"]
+
+
+def streaming_needed(params, step_s, fragments, method, utilization) -> float:
+    """The Gbit/s at which the plan's utilization reaches ``utilization`` (bisection on a log scale)."""
+    lo, hi = 1e-3, 1e5
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if streaming_utilization(params, step_s, fragments, method, mid) >= utilization else (mid, hi)
+    return hi
+
+
+def streaming_comparison():
+    """[(model, method, target utilization, published Gbit/s, the plan's utilization there, the plan's Gbit/s)]."""
+    out = []
+    for (params, step_s, fragments), methods in TABLE4.items():
+        for method, gbits in methods.items():
+            for u, gbit in zip(UTILIZATIONS, gbits):
+                out.append((params, method, u, gbit, streaming_utilization(params, step_s, fragments, method, gbit),
+                            streaming_needed(params, step_s, fragments, method, u)))
+    return out
 
 
 # Projections: 2 sites of 64 H100 (989 TFLOP/s bf16 dense each), MFU 0.4, bf16, 4M tokens per step, 20 N
@@ -72,6 +153,23 @@ def main():
     for where, u in INTELLECT["utilization"].items():
         print(f"INTELLECT-1 {where}: utilization {u:.0%} needs bandwidth x inner-step time = "
               f"{intellect_bandwidth_step_product(u):.2f} Gbit/s x s")
+    for name, (published, plan_u, gbit) in intellect_share().items():
+        print(f"INTELLECT-1 {name}: compute utilization published {published:.1%}, the plan {plan_u:.1%} "
+              f"(its int8 all-reduce takes the measured median at {gbit:.2f} Gbit/s per node; reported links: "
+              f"{INTELLECT_TABLE2['bandwidth_gbit'][0]:g}-{INTELLECT_TABLE2['bandwidth_gbit'][1]:g} Gbit/s)")
+    cells = streaming_comparison()
+    errors = sorted(abs(plan_u - u) / u for _, _, u, _, plan_u, _ in cells)
+    print("\nStreaming DiLoCo, Table 4: the plan's compute utilization at the published bandwidth "
+          "(published: the first grid point that reaches the target), and the bandwidth the plan needs")
+    print("| model | method | " + " | ".join(f"{u:.0%}" for u in UTILIZATIONS) + " |")
+    print("|---|---|" + "---|" * len(UTILIZATIONS))
+    for i in range(0, len(cells), len(UTILIZATIONS)):
+        row = cells[i:i + len(UTILIZATIONS)]
+        print(f"| {row[0][0] / 1e9:g}B | {row[0][1]} | " + " | ".join(
+            f"{gbit:g} Gbit/s: {plan_u:.0%} (plan needs {need:.3g})" for _, _, _, gbit, plan_u, need in row) + " |")
+    within = sum(e <= 0.10 for e in errors)
+    print(f"|utilization error|: median {errors[len(errors) // 2]:.1%}, max {errors[-1]:.1%}; "
+          f"within 10%: {within} of {len(errors)} cells")
     print("\n| model | link | " + " | ".join(SHOWN) + " | recommended |")
     print("|---|---|" + "---|" * len(SHOWN) + "---|")
     for (n, gbit), (rec, rows) in projections().items():
