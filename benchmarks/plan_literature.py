@@ -113,7 +113,8 @@ def streaming_needed(params, step_s, fragments, method, utilization) -> float:
     lo, hi = 1e-3, 1e5
     for _ in range(60):
         mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if streaming_utilization(params, step_s, fragments, method, mid) >= utilization else (mid, hi)
+        reached = streaming_utilization(params, step_s, fragments, method, mid) >= utilization
+        lo, hi = (lo, mid) if reached else (mid, hi)
     return hi
 
 

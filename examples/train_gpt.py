@@ -78,10 +78,15 @@ def print_summary(label, world, device, steps, tokens, seconds, first_val_loss, 
     print("\n==== summary ====")
     print(f"run            : {label} on {world} ranks ({device})")
     print(f"steps / tokens : {steps} / {tokens:,}")
-    print(f"time           : {seconds:.1f} s  ({tokens / seconds:,.0f} tokens/s, {seconds / max(steps, 1):.3f} s/step)")
+    if seconds > 0:
+        print(f"time           : {seconds:.1f} s  ({tokens / seconds:,.0f} tokens/s, "
+              f"{seconds / max(steps, 1):.3f} s/step)")
+    else:  # a fault-tolerant replica that joined (and healed) after the target was reached
+        print("time           : 0.0 s  (this process trained no step: the run had reached its target when it joined)")
     print(f"peak memory    : {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB resident on rank 0")
     print(f"val loss       : {first_val_loss:.3f} -> {val_loss:.3f} (train {train_loss:.3f}; ln(256) = "
-          f"{math.log(256):.3f} is chance)")
+          f"{math.log(256):.3f} is chance)" if train_loss == train_loss else
+          f"val loss       : {first_val_loss:.3f} -> {val_loss:.3f} (no training step here)")
     if acco is not None:
         for name, text in acco["lines"]:
             print(f"{name:<15}: {text}")
@@ -140,6 +145,7 @@ def main():
     first_val_loss = val_loss = evaluate(engine, val, args.eval_batches, device)
     bar = tqdm(total=target, unit="sync" if timed else "step", dynamic_ncols=True) if rank == 0 else None
     micro, losses, eval_time = 0, [], 0.0
+    elapsed, train_loss = 0.0, float("nan")  # stay so if a late fault-tolerant replica heals past the target
     start = time.perf_counter()
     while progress() < target:
         x, y = train.get(micro)

@@ -47,6 +47,12 @@ def is_rank(p):
     return "train_gpt.py" in line and "--local_rank" in line
 
 
+def _sigint_as_a_terminal_leaves_it():
+    """In the script's process: SIGINT at its default and not blocked (bash keeps an inherited mask)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
 def start(tmp_path, name, bin_dir=Path(sys.executable).parent):
     tag = f"{name}-{uuid.uuid4().hex}"
     env = dict(os.environ, QUICK="1", OUT=str(tmp_path / name), PORT=str(free_port()), MASTER_PORT=str(free_port()),
@@ -57,7 +63,7 @@ def start(tmp_path, name, bin_dir=Path(sys.executable).parent):
     # that, and bash cannot trap a signal ignored on entry, so the script would never see the Ctrl-C.
     proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=_sigint_as_a_terminal_leaves_it)
     return proc, tag
 
 
@@ -96,11 +102,13 @@ def test_the_fault_tolerance_example_leaves_nothing_running(tmp_path):
     while time.monotonic() < until and sum(is_rank(p) for p in tagged(tag)) < 3:
         time.sleep(0.2)
     started = [command(p) for p in tagged(tag)]
+    sigs = Path(f"/proc/{proc.pid}/status").read_text()
+    sigs = [l for l in sigs.splitlines() if l.startswith("Sig")]
     os.killpg(proc.pid, signal.SIGINT)
     code, out, left = finish(proc, tag, timeout=30)
     assert any("torchft_lighthouse" in c for c in started) and sum("--local_rank" in c for c in started) == 3, \
         (started, out)
-    assert code == 130 and "interrupted: stopping the lighthouse and the replicas" in out, out
+    assert code == 130 and "interrupted: stopping the lighthouse and the replicas" in out, (out, sigs)
     assert left == [], f"left running after Ctrl-C: {left}\n{out}"
 
     fake = tmp_path / "bin"  # a lighthouse but no launcher: the first replica fails to start

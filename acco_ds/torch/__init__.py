@@ -48,6 +48,9 @@ from ..runtime.outer.interface import make_groups
 from .fsdp import FSDPLocalSGD
 from .replicated import ACCOOptimizer
 from .settings import HostSettings, read_config
+from ..runtime.lazy_dynamo import defer_optimizer
+
+defer_optimizer()  # a script imports this before it builds its optimizer: no torch._dynamo import (~2.4 s CPU)
 
 ROUND_MODES_ON_FSDP2 = ("acco: FSDP2 reduce-scatters the gradients inside every backward and keeps no unsharded "
                         "gradient between micro-batches, while an ACCO round accumulates the next half-batch at full "
