@@ -39,6 +39,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ ROOT = harness.ROOT
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(sys.executable).parent
 WORKER = "benchmarks/chaos_worker.py"
-LIGHTHOUSE_PORT, FT_PORTS, PLAIN_PORT = 29800, 29810, 29850  # replica r: FT_PORTS + 10 r + 0..7
+LIGHTHOUSE_PORT, FT_PORTS, PLAIN_PORT = 29800, 29810, 29850  # run i, replica r: FT_PORTS + 100 i + 10 r + 0..7
 RUNS = ("ft_free", "plain_free", "ft_chaos", "plain_chaos", "edit_tokens", "edit_mean")
 
 
@@ -111,7 +112,7 @@ class Run:
         if self.ft:
             port = LIGHTHOUSE_PORT + RUNS.index(self.name)
             self.env["TORCHFT_LIGHTHOUSE"] = f"http://localhost:{port}"
-            harness.RankSet([({}, [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
+            self.lighthouse = harness.RankSet([({}, [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
                                    "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "2000"])],
                             self.dir / "lighthouse")
         for r in range(3 if self.ft else 1):
@@ -121,7 +122,8 @@ class Run:
         """Start replica r's launch (plain: the launch of all 3 ranks)."""
         args, n, at = self.args, self.count, time.time() - self.t0  # at: before the launch's processes start
         self.count += 1
-        port = FT_PORTS + 10 * r + 2 * (n % 4) if self.ft else PLAIN_PORT + 2 * (n % 8)
+        base = 100 * RUNS.index(self.name)  # runs side by side (--together) need ports of their own
+        port = base + (FT_PORTS + 10 * r + 2 * (n % 4) if self.ft else PLAIN_PORT + 2 * (n % 8))
         env = dict(self.env, REPLICA_GROUP_ID=str(r), TORCHFT_MANAGER_PORT=str(port + 1)) if self.ft else self.env
         kind = args.launcher if self.ft else "deepspeed"  # --launcher: how a fault-tolerant replica starts
         env, launcher = chaos_phases.launcher(kind, env, BIN, 1 if self.ft else 3, port)
@@ -181,7 +183,8 @@ class Run:
             time.sleep(0.1)
 
     def close(self):
-        harness.kill_everything()
+        for rs in list(self.launches.values()) + ([self.lighthouse] if getattr(self, "lighthouse", None) else []):
+            rs.kill_all()  # this run's processes only: another may be running beside it (--together)
         self.t_end = getattr(self, "t_end", time.time())
         self.throttled = [cap.throttled() for cap in self.caps if cap is not None]
         for cap in self.caps:
@@ -428,6 +431,8 @@ def main(argv=None):
     ap.add_argument("--run_limit_s", type=float, default=600.0, help="hard deadline of each run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launcher", choices=chaos_phases.LAUNCHERS, default="deepspeed", help="of the ft arm")
+    ap.add_argument("--together", action="store_true",
+                    help="start the selected runs at the same time (their ratio then shares the machine's drift)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, records, checkpoints)")
     ap.add_argument("--out", default=str(RESULTS / "chaos"), help="results path without extension")
     args = ap.parse_args(argv)
@@ -443,9 +448,18 @@ def main(argv=None):
     workdir = Path(tempfile.mkdtemp(prefix="acco_chaos_"))
     res, t0 = {}, time.time()
     try:
+        if args.together:  # side by side: both see the same load and drift of a shared host
+            print(f"== {', '.join(names)} together ...", flush=True)
+            threads = [threading.Thread(target=lambda n=n: res.__setitem__(n, run_one(n, args, workdir, schedule)))
+                       for n in names]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         for name in names:
-            print(f"== {name} ...", flush=True)
-            res[name] = run_one(name, args, workdir, schedule)
+            if not args.together:
+                print(f"== {name} ...", flush=True)
+                res[name] = run_one(name, args, workdir, schedule)
             r = res[name]
             print(f"   {r['wall_s']} s, {r['syncs']} syncs, {r['committed_tokens']:,} tokens, goodput "
                   f"{r['goodput_tokens_per_s']:,.0f} tok/s, final val {r['final_val']}, digests {len(r['digests'])}"
@@ -475,6 +489,7 @@ def main(argv=None):
             "code": harness.sh("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD").stdout.strip() + (" + uncommitted changes" if
                     harness.sh("git", "-C", str(ROOT), "status", "--porcelain", "-uno").stdout.strip() else ""),
             "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else "") +
+                       (" --together" if args.together else "") + (f" --cores {args.cores:g}" if args.cores != 0.45 else "") +
                        (f" --launcher {args.launcher}" if args.launcher != "deepspeed" else ""),
             "minutes": round((time.time() - t0) / 60, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "seed": args.seed, "schedule": schedule,

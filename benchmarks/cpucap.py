@@ -3,6 +3,7 @@ re-exports these names): one emulated node per replica on a machine with fewer c
 """
 
 import os
+import threading
 import re
 import time
 from pathlib import Path
@@ -21,12 +22,14 @@ class CpuCap:
     harness's ``Network`` namespaces."""
 
     _created = 0
+    _lock = threading.Lock()  # chaos.py --together builds caps from several threads
     PERIOD_US = 100_000
 
     def __init__(self, cores, tag="cap", shares=1024):
         root = self._root()
-        name = f"acco-{tag}-{os.getpid()}-{CpuCap._created}"
-        CpuCap._created += 1
+        with CpuCap._lock:
+            name = f"acco-{tag}-{os.getpid()}-{CpuCap._created}"
+            CpuCap._created += 1
         self.cores, self.path = cores, root / name
         self.path.mkdir()
         quota = int(cores * self.PERIOD_US)
