@@ -74,7 +74,10 @@ def launch(name, scenario, seed, trials, timeout, workdir):
         elif any(codes):
             out.update(ok=False, hang=False, error=ranks.tails(1500))
         else:
-            out.update(ok=True, trials_done=[t.count(" done") for t in ranks.texts()])
+            done = [t.count(" done") for t in ranks.texts()]
+            # a launch that exits 0 without every trial on every rank has not shown its reads
+            out.update(ok=min(done) >= trials, trials_done=done,
+                       **({} if min(done) >= trials else {"error": f"trials done per rank {done} < {trials}"}))
     return out
 
 
@@ -111,7 +114,9 @@ def main():
                 results["scenarios"][name] = {
                     "spec": SCENARIOS[name], "launches": len(runs), "hangs": sum(bool(r.get("hang")) for r in runs),
                     "crashes": sum(not r["ok"] and not r.get("hang") for r in runs),
-                    "median_s": sorted(r["seconds"] for r in runs)[len(runs) // 2], "failed": [r for r in runs if not r["ok"]]}
+                    "median_s": sorted(r["seconds"] for r in runs)[len(runs) // 2],
+                    "trials_done": sum(min(r.get("trials_done") or [0]) for r in runs),
+                    "failed": [r for r in runs if not r["ok"]]}
     finally:
         for h in hogs:
             h.terminate()

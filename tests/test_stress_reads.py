@@ -24,4 +24,5 @@ def test_adaptive_reads_never_hang_under_load(tmp_path):
     s = json.loads(out.read_text())["scenarios"]["ds-issue45"]
     assert s["launches"] == 10
     assert s["hangs"] == 0 and s["crashes"] == 0, json.dumps(s["failed"], indent=1)[-6000:]
+    assert s["trials_done"] == 10  # every launch ran its reads on every rank
     assert proc.returncode == 0, proc.stdout[-3000:]
