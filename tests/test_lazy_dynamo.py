@@ -1,4 +1,4 @@
-"""acco_ds.runtime.lazy_dynamo: an ACCO engine builds, trains and checkpoints without importing torch._dynamo
+"""acco_ds._lazy_dynamo: an ACCO engine builds, trains and checkpoints without importing torch._dynamo
 (about 2.4 s of CPU per rank), and torch.compile still works afterwards, with the optimizer's methods disabled
 for dynamo exactly as torch does it. Each case runs in a fresh interpreter: this test process has imported
 torch._dynamo long ago."""
@@ -57,7 +57,7 @@ def test_compile_still_works_and_the_optimizer_is_disabled_as_torch_does_it():
         opt.zero_grad(); opt.state_dict()
         print("before", "torch._dynamo" in sys.modules)
         import deepspeed
-        from acco_ds.runtime import lazy_dynamo
+        from acco_ds import _lazy_dynamo as lazy_dynamo
         lazy_dynamo.defer_deepspeed_compile()
         from deepspeed.runtime.zero.muon import original_muon  # its torch.compile decorators now wait
         print("muon", "torch._dynamo" in sys.modules)

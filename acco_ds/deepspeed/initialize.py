@@ -61,7 +61,7 @@ def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
     except TypeError:
         mpu = kwargs.get("mpu")
     check_before_initialize(model, mpu, config, acco)
-    from ..runtime.lazy_dynamo import defer
+    from .._lazy_dynamo import defer
     defer()  # the optimizer DeepSpeed builds and ZeRO's checks would import torch._dynamo: ~2.4 s CPU per rank
     with _acco_engine_class():
         return ds_initialize(args, model, *rest, **kwargs)

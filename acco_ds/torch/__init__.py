@@ -48,7 +48,7 @@ from ..runtime.outer.interface import make_groups
 from .fsdp import FSDPLocalSGD
 from .replicated import ACCOOptimizer
 from .settings import HostSettings, read_config
-from ..runtime.lazy_dynamo import defer_optimizer
+from .._lazy_dynamo import defer_optimizer
 
 defer_optimizer()  # a script imports this before it builds its optimizer: no torch._dynamo import (~2.4 s CPU)
 
