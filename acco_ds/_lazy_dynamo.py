@@ -10,7 +10,8 @@ things import it although nothing is being compiled:
 - DeepSpeed's Muon module, which ZeRO's optimizer checks import whatever the optimizer is, applies
   ``torch.compile`` to three functions when it is imported.
 
-``defer()`` postpones both without changing what runs. ``torch._dynamo.disable`` only matters once dynamo can
+``defer_optimizer()`` and ``acco_ds.deepspeed.compat.defer_muon_compile()`` postpone them without changing
+what runs. ``torch._dynamo.disable`` only matters once dynamo can
 trace, and it cannot before ``torch._dynamo`` is imported (its frame hook comes with it): until then the
 optimizer methods call straight through, and from the first call after the import on they wrap themselves
 exactly as torch would. Muon's functions are compiled on their first call instead of at import. Each part
@@ -20,7 +21,11 @@ checks the shape of the torch or DeepSpeed code it relies on and leaves that cod
 import functools
 import sys
 
-_done = {"optimizer": False, "deepspeed": False}
+_done = {"optimizer": False}
+
+
+def imported(name: str) -> bool:
+    return name in sys.modules
 
 
 def _call_through(fn):
@@ -50,10 +55,11 @@ def defer_optimizer() -> None:
     _done["optimizer"] = True
 
 
-def _compile_on_first_call(fn=None, **options):
-    """``torch.compile(fn, **options)``, done when ``fn`` is first called."""
+def compile_on_first_call(fn=None, **options):
+    """``torch.compile(fn, **options)``, done when ``fn`` is first called (a decorator, with or without
+    options). ``acco_ds.deepspeed.compat.defer_muon_compile`` puts it under DeepSpeed's Muon module."""
     if fn is None:
-        return functools.partial(_compile_on_first_call, **options)
+        return functools.partial(compile_on_first_call, **options)
     compiled = []
 
     @functools.wraps(fn)
@@ -64,23 +70,3 @@ def _compile_on_first_call(fn=None, **options):
         return compiled[0](*args, **kwargs)
 
     return call
-
-
-def defer_deepspeed_compile() -> None:
-    """DeepSpeed's ``runtime.compiler.compile()`` (used only as a decorator, by its Muon module at import):
-    compile on first call. Only before that module is imported; a no-op afterwards."""
-    if _done["deepspeed"] or "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
-        return
-    try:
-        from deepspeed.runtime import compiler
-    except ImportError:
-        return
-    if getattr(compiler, "compile", None) is not None and compiler.compile.__code__.co_argcount == 0:
-        compiler.compile = lambda: _compile_on_first_call
-        _done["deepspeed"] = True
-
-
-def defer() -> None:
-    """Both (see the module docstring)."""
-    defer_optimizer()
-    defer_deepspeed_compile()

@@ -57,8 +57,8 @@ def test_compile_still_works_and_the_optimizer_is_disabled_as_torch_does_it():
         opt.zero_grad(); opt.state_dict()
         print("before", "torch._dynamo" in sys.modules)
         import deepspeed
-        from acco_ds import _lazy_dynamo as lazy_dynamo
-        lazy_dynamo.defer_deepspeed_compile()
+        from acco_ds.deepspeed.compat import defer_muon_compile
+        defer_muon_compile()
         from deepspeed.runtime.zero.muon import original_muon  # its torch.compile decorators now wait
         print("muon", "torch._dynamo" in sys.modules)
         compiled = torch.compile(model, backend="eager")  # imports torch._dynamo

@@ -216,6 +216,20 @@ def _check_method(cls, name: str, params: Optional[Tuple[str, ...]], why: str) -
                             f"({', '.join(params)})")
 
 
+def defer_muon_compile() -> None:
+    """DeepSpeed's Muon module applies ``torch.compile`` to three functions when it is imported, and ZeRO's
+    optimizer checks import it whatever the optimizer: ``torch._dynamo``'s import (~2.4 s CPU) on every rank.
+    Compile them on first call instead (``acco_ds._lazy_dynamo``). Only before that module is imported, and only
+    while ``runtime.compiler.compile()`` still takes no argument (the decorator factory it uses)."""
+    from .._lazy_dynamo import compile_on_first_call, imported
+    if imported("deepspeed.runtime.zero.muon.original_muon"):
+        return
+    from deepspeed.runtime import compiler
+    if getattr(getattr(compiler, "compile", None), "__code__", None) is not None and \
+            compiler.compile.__code__.co_argcount == 0:
+        compiler.compile = lambda: compile_on_first_call
+
+
 def check_deepspeed() -> Dict[str, object]:
     """Resolve every listed module-level name and method; returns the names.
     Raises ``DeepSpeedIncompatible`` naming the first one missing or changed."""

@@ -61,8 +61,10 @@ def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
     except TypeError:
         mpu = kwargs.get("mpu")
     check_before_initialize(model, mpu, config, acco)
-    from .._lazy_dynamo import defer
-    defer()  # the optimizer DeepSpeed builds and ZeRO's checks would import torch._dynamo: ~2.4 s CPU per rank
+    from .._lazy_dynamo import defer_optimizer
+    from .compat import defer_muon_compile
+    defer_optimizer()  # the optimizer DeepSpeed builds and ZeRO's checks would import torch._dynamo (~2.4 s CPU)
+    defer_muon_compile()
     with _acco_engine_class():
         return ds_initialize(args, model, *rest, **kwargs)
 
