@@ -112,9 +112,9 @@ class Run:
         if self.ft:
             port = LIGHTHOUSE_PORT + RUNS.index(self.name)
             self.env["TORCHFT_LIGHTHOUSE"] = f"http://localhost:{port}"
-            self.lighthouse = harness.RankSet([({}, [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
-                                   "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "2000"])],
-                            self.dir / "lighthouse")
+            argv = [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
+                    "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "2000"]
+            self.lighthouse = harness.RankSet([({}, argv)], self.dir / "lighthouse")
         for r in range(3 if self.ft else 1):
             self.launch(r)
 
