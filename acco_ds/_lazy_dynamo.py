@@ -21,9 +21,6 @@ checks the shape of the torch or DeepSpeed code it relies on and leaves that cod
 import functools
 import sys
 
-_done = {"optimizer": False}
-
-
 def imported(name: str) -> bool:
     return name in sys.modules
 
@@ -44,15 +41,14 @@ def _call_through(fn):
 
 def defer_optimizer() -> None:
     """torch.optim.Optimizer's dynamo-disabled methods: no torch._dynamo import until it is imported elsewhere."""
-    if _done["optimizer"] or "torch._dynamo" in sys.modules:
+    if "torch._dynamo" in sys.modules:  # too late to save anything; torch's own path is already right
         return
     import torch
     marker = torch._disable_dynamo(lambda: None).__code__  # the wrapper torch._disable_dynamo returns
     for attr in vars(torch.optim.Optimizer).values():
         fn = getattr(attr, "__wrapped__", None)
         if getattr(attr, "__code__", None) is marker and fn is not None and not hasattr(fn, "__dynamo_disable"):
-            setattr(fn, "__dynamo_disable", _call_through(fn))
-    _done["optimizer"] = True
+            setattr(fn, "__dynamo_disable", _call_through(fn))  # a second call finds the slot taken
 
 
 def compile_on_first_call(fn=None, **options):
