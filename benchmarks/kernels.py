@@ -44,8 +44,11 @@ Section ``sparse`` (sparse outer communication; 64M elements by default, 64M and
 ``sparse_unpack_accumulate`` vs the torch path a user would write: ``torch.topk``
 of ``|e|`` on a [chunks, 4096] view, the kept indices sorted, quantized and packed
 4 codes a byte with torch ops, the residual scattered back; unpack: codes shifted
-out, levels, ``scatter_add_``. Before timing, both paths pack the same data and
-their indices, codes and residuals are compared (equal on these tie-free values).
+out, levels, ``scatter_add_``. Also the receiver's whole step at a sync of two
+replicas, ``sparse_average`` of two payloads (weights 4096 and 2048) against the
+torch path ``out.zero_()``, unpack, unpack, ``out.div_``. Before timing, both
+paths pack the same data and their indices, codes and residuals are compared
+(equal on these tie-free values), and their averages too.
 Also timed: ``dst.copy_(src)`` of the fp32 tensor. Results:
 ``benchmarks/results/kernels_sparse_<device>.json`` and ``.md``.
 """
@@ -337,7 +340,8 @@ def torch_sparse_unpack(out, indices, values, scales, chunk, topk, value_bits, w
 
 
 def sparse_section(args, dev, threads, sizes, native, command, path):
-    """sparse_pack / sparse_unpack_accumulate (chunk 4096, top 64, 2 bits), native vs the torch path."""
+    """sparse_pack / sparse_unpack_accumulate / sparse_average (chunk 4096, top 64, 2 bits), native vs the torch
+    path."""
     import torch
     from acco_ds.ops import reference
 
@@ -358,12 +362,32 @@ def sparse_section(args, dev, threads, sizes, native, command, path):
             raise RuntimeError("the native and torch sparse packs differ on tie-free data: fix before timing")
         del e_native, e_torch
         out = torch.zeros(n, device=dev)
+        # The receiver's whole step at a sync of R = 2 replicas: the weighted average of both payloads.
+        other = torch.randn(n, device=dev, generator=g)
+        got2, want2 = native.sparse_pack(other.clone(), offsets, **kw), torch_sparse_pack(other, chunk, topk, bits)
+        del other
+        weights = [4096.0, 2048.0]
+
+        def torch_average():
+            out.zero_()
+            for payload, w in zip((want, want2), weights):
+                torch_sparse_unpack(out, *payload, chunk, topk, bits, weight=w)
+            out.div_(sum(weights))
+
+        native.sparse_average(out, offsets, [got, got2], weights, **kw)
+        expected = out.clone()
+        torch_average()
+        if not torch.equal(out, expected):
+            raise RuntimeError("the native and torch sparse averages differ: fix before timing")
+        del expected
         cases = {
             "sparse_pack": (lambda: native.sparse_pack(e, offsets, **kw),
                             lambda: torch_sparse_pack(e, chunk, topk, bits)),
             "sparse_unpack_accumulate": (
                 lambda: native.sparse_unpack_accumulate(out, offsets, *got, **kw, weight=0.5),
                 lambda: torch_sparse_unpack(out, *want, chunk, topk, bits, weight=0.5)),
+            "sparse_average (2 payloads)": (
+                lambda: native.sparse_average(out, offsets, [got, got2], weights, **kw), torch_average),
         }
         copy_s = copy_time(n, dev, args.repeats)
         payload = reference.sparse_payload_bytes(offsets.cpu(), topk, bits)
@@ -382,7 +406,7 @@ def sparse_section(args, dev, threads, sizes, native, command, path):
 
     header = (f"{machine(dev, threads)}; kernels {native.name}; median of {args.repeats}; chunk {chunk}, top {topk}, "
               f"{bits}-bit values (payload {payload / n:.4f} B/element). Before timing, the native and torch packs "
-              f"gave the same indices, codes, scales and residual.\nCommand: `{command}`")
+              f"gave the same indices, codes, scales and residual, and the same average of two payloads.\nCommand: `{command}`")
     table = ["| size | kernel | native ms | torch ms | speedup | copy ms | native Melem/s | extra MB native / torch |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,7 +1,8 @@
-"""The native kernels of sparse outer communication (``sparse_pack``, ``sparse_unpack_accumulate``) against
-their pure-torch references in ``ops.reference``, bit for bit: indices, packed codes, scales, the residual left
-in ``e`` and ``out`` after unpacking, on ties, short chunks, all-zero chunks, every ``value_bits``, ``topk`` up
-to the chunk length and chunks of 65536. The CUDA kernels compile here with nvcc alone; they run against the
+"""The native kernels of sparse outer communication (``sparse_pack``, ``sparse_unpack_accumulate``,
+``sparse_average``) against their pure-torch references in ``ops.reference``, bit for bit: indices, packed
+codes, scales, the residual left in ``e``, ``out`` after unpacking and the average of several payloads, on ties,
+short chunks, all-zero chunks, weights of 0, every ``value_bits``, ``topk`` up to the chunk length and chunks of
+65536. The CUDA kernels compile here with nvcc alone; they run against the
 same reference in ``benchmarks/gpu_check.py`` on a GPU."""
 
 import os
@@ -98,6 +99,56 @@ def test_random_layouts_match_the_reference(native, numels, chunk, topk, bits, s
     check(native, e, R.chunk_offsets(numels, chunk), topk, bits, weight)
 
 
+def check_average(kernels, numels, chunk, topk, bits, weights, seed, device="cpu"):
+    """``sparse_average`` of one payload per weight into an ``out`` full of NaN (so every element must be
+    written), against the reference composed of zero, unpack after unpack, divide: bit for bit."""
+    offsets = R.chunk_offsets(numels, chunk)
+    payloads = [R.sparse_pack(errors(sum(numels), seed + r, ties=r % 2 == 0), offsets, topk=topk, value_bits=bits)
+                for r in range(len(weights))]
+    want = torch.full((sum(numels),), float("nan"))
+    R.sparse_average(want, offsets, payloads, weights, topk=topk, value_bits=bits)
+    got = torch.full((sum(numels),), float("nan"), device=device)
+    kernels.sparse_average(got, offsets.to(device), [[t.to(device) for t in p] for p in payloads], weights,
+                           topk=topk, value_bits=bits)
+    assert same(got.cpu(), want), f"average differs (topk={topk}, bits={bits}, weights={weights})"
+    return want
+
+
+def test_the_cpu_op_has_the_fused_average(native):
+    assert native.fused_average  # not the composed fallback: the comparisons below test the one-pass kernel
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("weights", [[1.0], [1.0, 1.0], [3.0, 0.0, 1.5], [0.0, 0.0], [1 / 3, 2.0, 0.25, 7.0]])
+def test_average_matches_the_reference_bit_for_bit(native, bits, weights):
+    want = check_average(native, [10, 3, 9000, 70000], 4096, 64, bits, weights, seed=bits)
+    if sum(weights) == 0:
+        assert same(want, torch.zeros_like(want))  # nobody contributed: zeros, never NaN
+    else:
+        assert bool(torch.isfinite(want).all()) and bool((want != 0).any())
+
+
+@settings(max_examples=100, deadline=None)
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=4), chunk=st.integers(1, 128),
+       topk=st.integers(1, 130), bits=st.sampled_from(BITS), seed=st.integers(0, 2**16),
+       weights=st.lists(st.sampled_from([0.0, 1.0, 0.5, 1 / 3, 4096.0]), min_size=1, max_size=4))
+def test_random_averages_match_the_reference(native, numels, chunk, topk, bits, seed, weights):
+    check_average(native, numels, chunk, topk, bits, weights, seed)
+
+
+def test_average_refuses_bad_weights_and_payloads(native):
+    offsets = R.chunk_offsets([100], 64)
+    p = R.sparse_pack(torch.randn(100), offsets, topk=4, value_bits=2)
+    for kernels in (native, ops.TORCH):
+        with pytest.raises((RuntimeError, ValueError), match="must be finite and >= 0, got -1"):
+            kernels.sparse_average(torch.zeros(100), offsets, [p], [-1.0], topk=4, value_bits=2)
+    with pytest.raises(RuntimeError, match="values has 1 elements, the layout .* needs 2"):
+        native.sparse_average(torch.zeros(100), offsets, [p, (p[0], p[1][:1], p[2])], [1.0, 1.0], topk=4,
+                              value_bits=2)
+    with pytest.raises(ValueError, match="one weight per payload, got 1 payloads and 2 weights"):
+        ops.TORCH.sparse_average(torch.zeros(100), offsets, [p], [1.0, 1.0], topk=4, value_bits=2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (gpu_check.py runs the same comparison)")
 @pytest.mark.parametrize("bits", BITS)
 def test_cuda_kernels_match_the_reference_bit_for_bit(bits):
@@ -106,6 +157,7 @@ def test_cuda_kernels_match_the_reference_bit_for_bit(bits):
                                 ([65536], 65536, 65536), ([1, 1, 2], 3, 2), ([2**20 + 3], 4096, 64)]:
         e = errors(sum(numels), seed=chunk + topk + bits)
         check(cuda, e, R.chunk_offsets(numels, chunk), topk, bits, weight=1 / 3, device="cuda")
+    check_average(cuda, [10, 3, 9000, 70000], 4096, 64, bits, [1.0, 0.0, 0.5], seed=bits, device="cuda")
 
 
 def test_bad_arguments_are_refused_by_name(native):

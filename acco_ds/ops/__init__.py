@@ -11,6 +11,9 @@
   (sparseloco): per chunk the top-k entries of the error buffer, quantized to
   2/4/8-bit levels and packed with 16-bit indices, the residual left in the
   buffer; and the receiver's ``out[kept] += q * weight``.
+* ``sparse_average``: the receiver's weighted average of every replica's
+  payload. On the CPU one pass over ``out`` (each chunk summed in cache, then
+  written once); elsewhere composed from ``sparse_unpack_accumulate``.
 
 (A multi-tensor pack/unpack kernel existed until 0.2: the engine never needed
 it, since backward hooks add each gradient straight into the flat
@@ -24,6 +27,7 @@ for another process's build longer than ``ACCO_JIT_WAIT_S`` seconds (default
 300): see ``builder.JitBuildLock``.
 """
 
+import functools
 import importlib
 import logging
 import sys
@@ -43,11 +47,16 @@ class Kernels:
 
     def __init__(self, name, adamw_update, quantize_pack=reference.quantize_pack,
                  dequantize_accumulate=reference.dequantize_accumulate, sparse_pack=reference.sparse_pack,
-                 sparse_unpack_accumulate=reference.sparse_unpack_accumulate):
+                 sparse_unpack_accumulate=reference.sparse_unpack_accumulate, sparse_average=None):
         self.name, self._adamw_update = name, adamw_update
         self.quantize_pack, self.dequantize_accumulate = quantize_pack, dequantize_accumulate
         # sparseloco's chunked top-k + levels + pack, and unpack + accumulate (reference.sparse_pack's contract)
         self.sparse_pack, self.sparse_unpack_accumulate = sparse_pack, sparse_unpack_accumulate
+        # the receiver's weighted average of R payloads: one fused pass where the op has it, else composed
+        # from sparse_unpack_accumulate (reference.sparse_average)
+        self.fused_average = sparse_average is not None
+        self.sparse_average = sparse_average or functools.partial(reference.sparse_average,
+                                                                  unpack=sparse_unpack_accumulate)
 
     def adamw_update(self, master, grad, exp_avg, exp_avg_sq, out, *, step, lr, beta1, beta2, eps, weight_decay,
                      grad_scale, commit, adamw=True):
@@ -90,8 +99,9 @@ def load_native(device_type: str = "cpu", jit: bool = True):
 
 def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
     module = load_native(device_type, jit)
-    missing = [name for name in ("adamw_update", "quantize_pack", "dequantize_accumulate", "sparse_pack",
-                                 "sparse_unpack_accumulate") if not hasattr(module, name)]
+    names = ("adamw_update", "quantize_pack", "dequantize_accumulate", "sparse_pack", "sparse_unpack_accumulate") + \
+        (("sparse_average",) if device_type == "cpu" else ())
+    missing = [name for name in names if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"the {device_type} op module {getattr(module, '__file__', module)} has no "
                            f"{', '.join(missing)}: it was built from older sources. Rebuild it "
@@ -116,8 +126,15 @@ def _native_kernels(device_type: str, jit: bool = True) -> Kernels:
         module.sparse_unpack_accumulate(out, offsets, indices, values, scales, int(topk), int(value_bits),
                                         float(weight))
 
+    average = getattr(module, "sparse_average", None)  # fused on the CPU; CUDA composes it
+
+    def sparse_average(out, offsets, payloads, weights, *, topk, value_bits):
+        payloads = list(payloads)
+        average(out, offsets, [p[0] for p in payloads], [p[1] for p in payloads], [p[2] for p in payloads],
+                [float(w) for w in weights], int(topk), int(value_bits))
+
     return Kernels(f"native-{device_type}", adamw_update, quantize_pack, dequantize_accumulate, sparse_pack,
-                   sparse_unpack_accumulate)
+                   sparse_unpack_accumulate, sparse_average if average is not None else None)
 
 
 def load_kernels(kernels: str = "auto", device="cpu", jit: Optional[bool] = None) -> Kernels:

@@ -6,6 +6,7 @@ so they agree with it (the tests check) and show plainly what the fused
 kernels compute in one pass.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -248,3 +249,26 @@ def sparse_unpack_accumulate(out: torch.Tensor, offsets: torch.Tensor, indices: 
         m = scales[chunk_of]
         q = torch.where(m > 0, m * ((2.0 * codes.float()) / float(2**value_bits - 1) - 1.0), torch.zeros_like(m))
     out[flat_pos] = out[flat_pos] + q * weight
+
+
+@torch.no_grad()
+def sparse_average(out: torch.Tensor, offsets: torch.Tensor, payloads, weights, *, topk: int, value_bits: int,
+                   unpack=sparse_unpack_accumulate) -> None:
+    """``out`` ← ``(Σ_r weights[r] · scatter(q_r)) / Σ_r weights[r]`` over R replicas' payloads
+    (``(indices, values, scales)`` each), added in replica order into a zeroed ``out``, then divided (no
+    division when the weights sum to 0); a replica of weight 0 adds nothing. ``unpack``: the
+    ``sparse_unpack_accumulate`` to compose it from."""
+    payloads, weights = list(payloads), [float(w) for w in weights]
+    if len(payloads) != len(weights):
+        raise ValueError(f"sparse_average needs one weight per payload, got {len(payloads)} payloads and "
+                         f"{len(weights)} weights")
+    bad = [w for w in weights if not (math.isfinite(w) and w >= 0)]
+    if bad:
+        raise ValueError(f"sparse_average's weights must be finite and >= 0, got {bad[0]}")
+    out.zero_()
+    for (indices, values, scales), w in zip(payloads, weights):
+        if w:
+            unpack(out, offsets, indices, values, scales, topk=topk, value_bits=value_bits, weight=w)
+    total = sum(weights)
+    if total > 0:  # by a tensor: a Python scalar would become a multiplication by its reciprocal on CUDA
+        out.div_(out.new_tensor(total))

@@ -4,8 +4,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <optional>
+#include <vector>
 
 #include "../acco_common.h"
 #include "../acco_sparse.h"
@@ -160,6 +162,35 @@ inline void check_sparse_payload(const torch::Tensor& out, const torch::Tensor& 
   } else {
     check_sparse_tensor(values, "values", torch::kFloat32, layout.entries, out, device);
   }
+}
+
+// sparse_average's R payloads and weights: each payload as check_sparse_payload; the weights as fp32 (as
+// sparse_unpack_accumulate takes each) and their total, summed in double in replica order then rounded to fp32
+// (as the reference's sum of Python floats, then out.div_(total)).
+struct SparseWeights {
+  std::vector<float> weights;
+  float total = 0.0f;
+};
+
+inline SparseWeights check_sparse_payloads(const torch::Tensor& out, const std::vector<torch::Tensor>& indices,
+                                           const std::vector<torch::Tensor>& values,
+                                           const std::vector<torch::Tensor>& scales, const std::vector<double>& weights,
+                                           const SparseLayout& layout, int64_t value_bits, torch::DeviceType device) {
+  const size_t r = indices.size();
+  TORCH_CHECK(values.size() == r && scales.size() == r && weights.size() == r,
+              "sparse_average needs one indices, values, scales and weight per replica, got ", num(r).text, ", ",
+              num(values.size()).text, ", ", num(scales.size()).text, " and ", num(weights.size()).text);
+  SparseWeights w;
+  double total = 0.0;
+  for (size_t i = 0; i < r; ++i) {
+    check_sparse_payload(out, indices[i], values[i], scales[i], layout, value_bits, device);
+    TORCH_CHECK(std::isfinite(weights[i]) && weights[i] >= 0.0, "weight ", num(i).text,
+                " must be finite and >= 0, got ", weights[i]);
+    w.weights.push_back(static_cast<float>(weights[i]));
+    total += weights[i];
+  }
+  w.total = static_cast<float>(total);
+  return w;
 }
 
 inline void check_sparse_flat(const torch::Tensor& t, const char* name, torch::DeviceType device) {

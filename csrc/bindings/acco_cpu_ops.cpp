@@ -67,6 +67,31 @@ void sparse_unpack_accumulate(torch::Tensor out, torch::Tensor offsets, torch::T
               " entries were added to out)");
 }
 
+void sparse_average(torch::Tensor out, torch::Tensor offsets, std::vector<torch::Tensor> indices,
+                    std::vector<torch::Tensor> values, std::vector<torch::Tensor> scales, std::vector<double> weights,
+                    int64_t topk, int64_t value_bits) {
+  acco::bindings::check_sparse_flat(out, "out", torch::kCPU);
+  const auto layout = acco::bindings::sparse_layout(offsets, out.numel(), topk, value_bits);
+  const auto w = acco::bindings::check_sparse_payloads(out, indices, values, scales, weights, layout, value_bits,
+                                                      torch::kCPU);
+  std::vector<const int16_t*> idx;
+  std::vector<const void*> val;
+  std::vector<const float*> sc;
+  for (size_t r = 0; r < indices.size(); ++r) {
+    idx.push_back(indices[r].data_ptr<int16_t>());
+    val.push_back(values[r].data_ptr());
+    sc.push_back(value_bits ? scales[r].data_ptr<float>() : nullptr);
+  }
+  const int64_t* t = layout.table.data_ptr<int64_t>();
+  const int64_t row = layout.chunks + 1;
+  const int64_t bad = acco::cpu::sparse_average(out.data_ptr<float>(), out.numel(), t, t + row, t + 2 * row,
+                                                layout.chunks, static_cast<int64_t>(idx.size()), idx.data(),
+                                                val.data(), sc.data(), static_cast<int>(value_bits),
+                                                w.weights.data(), w.total);
+  TORCH_CHECK(bad == 0, acco::bindings::num(bad).text, " indices point past the end of their chunk: a payload "
+              "does not belong to these offsets");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -75,4 +100,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_accumulate", &dequantize_accumulate, "out += q * scale per block (CPU)");
   m.def("sparse_pack", &sparse_pack, "Chunked top-k, quantize, pack; e[kept] -= q (CPU)");
   m.def("sparse_unpack_accumulate", &sparse_unpack_accumulate, "out[kept] += q * weight (CPU)");
+  m.def("sparse_average", &sparse_average, "out = weighted average of R payloads, one pass (CPU)");
 }

@@ -43,5 +43,13 @@ int64_t sparse_unpack_accumulate(float* out, const int64_t* offsets, const int64
                                  const int64_t* byte_starts, int64_t chunks, const int16_t* indices,
                                  const void* values, const float* scales, int value_bits, float weight);
 
+// out = (sum over r of q_r * weights[r], in replica order) / total, written whole (zeros where no replica kept
+// anything; no division when total <= 0): reference.sparse_average for R payloads in one pass over out.
+// Returns the number of indices outside their chunk (those are not applied).
+int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const int64_t* entry_starts,
+                       const int64_t* byte_starts, int64_t chunks, int64_t replicas, const int16_t* const* indices,
+                       const void* const* values, const float* const* scales, int value_bits, const float* weights,
+                       float total);
+
 }  // namespace cpu
 }  // namespace acco

@@ -4,7 +4,11 @@
 // Selection per chunk (key: acco_sparse.h, |e| bits then the lower index): see select_chunk. Then the kept
 // indices are sorted ascending and quantized in that order.
 #include <algorithm>
+#include <cstring>
 #include <vector>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "../acco_sparse.h"
 #include "acco_cpu.h"
@@ -73,6 +77,60 @@ float select_chunk(const float* e, int64_t len, int64_t k, Scratch& s, std::vect
   return bits_to_float(max_bits);
 }
 
+// out[i] += q_j * weight for one replica's entries of chunk c (out: that chunk's first element). Returns how
+// many indices point past the chunk (not applied).
+int64_t accumulate_chunk(float* chunk, int64_t len, int64_t c, const int64_t* entry_starts,
+                         const int64_t* byte_starts, const int16_t* indices, const void* values,
+                         const float* scales, int value_bits, float weight) {
+  const int64_t first = entry_starts[c], k = entry_starts[c + 1] - first;
+  const uint8_t* bytes = static_cast<const uint8_t*>(values) + byte_starts[c];
+  const float m = value_bits ? scales[c] : 0.0f;
+  // The chunk's 2^b levels, each computed once by sparse_level (so bit for bit the same values), when the
+  // chunk has more entries than levels: one table lookup per entry instead of a division.
+  float levels[256];
+  const bool table = value_bits && (int64_t{1} << value_bits) <= k;
+  if (table) {
+    for (uint32_t code = 0; code < (1u << value_bits); ++code) levels[code] = sparse_level(code, m, value_bits);
+  }
+  int64_t bad = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = static_cast<uint16_t>(indices[first + j]);
+    if (i >= len) {
+      ++bad;
+      continue;
+    }
+    const float q = !value_bits ? static_cast<const float*>(values)[first + j]
+                    : table     ? levels[unpack_code(bytes, j, value_bits)]
+                                : sparse_level(unpack_code(bytes, j, value_bits), m, value_bits);
+    chunk[i] = add_rn(chunk[i], mul_rn(q, weight));  // the product rounded to fp32, then the sum
+  }
+  return bad;
+}
+
+// f(i) for each in-chunk index i of chunk c kept by a replica of nonzero weight (valid indices only).
+template <typename F>
+void for_each_kept(int64_t c, int64_t len, const int64_t* entry_starts, const int16_t* const* indices,
+                   const float* weights, int64_t replicas, F f) {
+  for (int64_t r = 0; r < replicas; ++r) {
+    if (weights[r] == 0.0f) continue;
+    for (int64_t j = entry_starts[c]; j < entry_starts[c + 1]; ++j) {
+      const int64_t i = static_cast<uint16_t>(indices[r][j]);
+      if (i < len) f(i);
+    }
+  }
+}
+
+// dst[0..n) = src[0..n) with non-temporal stores where aligned: out is written once and not read again here,
+// so its lines need not be read into the cache first.
+void stream_store(float* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u); ++i) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 }  // namespace
 
 void sparse_pack(float* e, const int64_t* offsets, const int64_t* entry_starts, const int64_t* byte_starts,
@@ -120,30 +178,51 @@ int64_t sparse_unpack_accumulate(float* out, const int64_t* offsets, const int64
   const bool parallel = entry_starts[chunks] >= kMinParallel / 16;
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (parallel)
   for (int64_t c = 0; c < chunks; ++c) {
-    float* chunk = out + offsets[c];
-    const int64_t len = offsets[c + 1] - offsets[c];
-    const int64_t first = entry_starts[c], k = entry_starts[c + 1] - first;
-    const uint8_t* bytes = static_cast<const uint8_t*>(values) + byte_starts[c];
-    const float m = value_bits ? scales[c] : 0.0f;
-    // The chunk's 2^b levels, each computed once by sparse_level (so bit for bit the same values), when the
-    // chunk has more entries than levels: one table lookup per entry instead of a division.
-    float levels[256];
-    const bool table = value_bits && (int64_t{1} << value_bits) <= k;
-    if (table) {
-      for (uint32_t code = 0; code < (1u << value_bits); ++code) levels[code] = sparse_level(code, m, value_bits);
-    }
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t i = static_cast<uint16_t>(indices[first + j]);
-      if (i >= len) {
-        ++bad;
-        continue;
+    bad += accumulate_chunk(out + offsets[c], offsets[c + 1] - offsets[c], c, entry_starts, byte_starts, indices,
+                            values, scales, value_bits, weight);
+  }
+  return bad;
+}
+
+int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const int64_t* entry_starts,
+                       const int64_t* byte_starts, int64_t chunks, int64_t replicas, const int16_t* const* indices,
+                       const void* const* values, const float* const* scales, int value_bits, const float* weights,
+                       float total) {
+  // Outside the chunks nothing was kept: zeros, as the reference's out.zero_() leaves them.
+  std::memset(out, 0, sizeof(float) * offsets[0]);
+  std::memset(out + offsets[chunks], 0, sizeof(float) * (numel - offsets[chunks]));
+  int64_t bad = 0;
+  const bool parallel = offsets[chunks] - offsets[0] >= kMinParallel;
+#pragma omp parallel if (parallel) reduction(+ : bad)
+  {
+    // One chunk at a time in a scratch buffer that stays in cache: zero, every replica's entries in replica
+    // order (so each element's sum rounds as the reference's unpack after unpack), the division, then one
+    // streaming write to out. The reference instead makes 1 + R + 1 passes over out.
+    std::vector<float> sum;
+    std::vector<uint8_t> divided;  // all 0 between chunks
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t len = offsets[c + 1] - offsets[c];
+      sum.assign(len, 0.0f);
+      if (static_cast<int64_t>(divided.size()) < len) divided.resize(len, 0);
+      for (int64_t r = 0; r < replicas; ++r) {
+        if (weights[r] == 0.0f) continue;  // a replica that adds nothing (it just joined)
+        bad += accumulate_chunk(sum.data(), len, c, entry_starts, byte_starts, indices[r], values[r],
+                                value_bits ? scales[r] : nullptr, value_bits, weights[r]);
       }
-      const float q = !value_bits ? static_cast<const float*>(values)[first + j]
-                      : table     ? levels[unpack_code(bytes, j, value_bits)]
-                                  : sparse_level(unpack_code(bytes, j, value_bits), m, value_bits);
-      chunk[i] = add_rn(chunk[i], mul_rn(q, weight));  // the product rounded to fp32, then the sum
+      if (total > 0.0f) {  // only the kept entries: the others are +0, and +0 / total is +0
+        for_each_kept(c, len, entry_starts, indices, weights, replicas, [&](int64_t i) {
+          if (!divided[i]) sum[i] = div_rn(sum[i], total);
+          divided[i] = 1;
+        });
+        for_each_kept(c, len, entry_starts, indices, weights, replicas, [&](int64_t i) { divided[i] = 0; });
+      }
+      stream_store(out + offsets[c], sum.data(), len);
     }
   }
+#if defined(__SSE2__)
+  _mm_sfence();  // the streaming stores are visible before the caller reads out
+#endif
   return bad;
 }
 

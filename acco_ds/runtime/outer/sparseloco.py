@@ -127,8 +127,10 @@ class SparseLoCo(LocalSGD):
         P = plan.partition
         tails = self._exchange(plan, [e[:plan.head]] if plan.head else [], [n for _, n in plan.tails])
         ext = torch.cat([e, *tails]) if tails else e
-        avg = torch.zeros_like(ext)
-        if plan.chunks:
+        avg = torch.empty_like(ext) if plan.chunks else torch.zeros_like(ext)
+        if plan.chunks:  # sparse_average writes its region whole
+            avg[:plan.own_lo].zero_()
+            avg[plan.own_hi:].zero_()
             self._pack_and_average(ext[plan.own_lo:plan.own_hi], avg[plan.own_lo:plan.own_hi], plan.offsets, weight)
         if tails:  # ext is a copy: the partition's residual goes back into e
             e.copy_(ext[:P])
@@ -159,14 +161,9 @@ class SparseLoCo(LocalSGD):
         """Pack ``region``'s chunks (it keeps the residual), gather every replica's payload, ``avg`` ← their
         weighted average."""
         payload = self.kernels.sparse_pack(region, offsets, topk=self.topk, value_bits=self.bits)
-        total = 0.0
-        for (indices, values, scales), w in self._gather(payload, weight):
-            total += w
-            if w:  # a replica with weight 0 (it just joined) adds nothing
-                self.kernels.sparse_unpack_accumulate(avg, offsets, indices, values, scales, topk=self.topk,
-                                                      value_bits=self.bits, weight=w)
-        if total > 0:
-            avg.div_(total)
+        gathered = list(self._gather(payload, weight))  # a replica with weight 0 (it just joined) adds nothing
+        self.kernels.sparse_average(avg, offsets, [p for p, _ in gathered], [w for _, w in gathered],
+                                    topk=self.topk, value_bits=self.bits)
 
     def _exchange(self, plan: ChunkPlan, sends: List[torch.Tensor], sizes: List[int], reverse: bool = False):
         """Point-to-point inside the replica: forward, this rank's head to its owner and the tails from the
