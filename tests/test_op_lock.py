@@ -55,7 +55,7 @@ def env(tmp_path, monkeypatch):
         else:
             baton.wait()
         module = types.SimpleNamespace(adamw_update=None, quantize_pack=None, dequantize_accumulate=None,
-                                       sparse_pack=None, sparse_unpack_accumulate=None)
+                                       sparse_pack=None, sparse_unpack_accumulate=None, sparse_average=None)
         OpBuilder._loaded_ops[self.name] = module
         return module
 

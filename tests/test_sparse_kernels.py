@@ -128,6 +128,11 @@ def test_average_matches_the_reference_bit_for_bit(native, bits, weights):
         assert bool(torch.isfinite(want).all()) and bool((want != 0).any())
 
 
+def test_a_large_average_matches_the_reference(native):
+    # 4M elements and more: the kernel writes out with streaming stores, from an unaligned start (3 elements in)
+    check_average(native, [3, (1 << 22) + 5], 4096, 64, 2, [1.0, 0.5], seed=7)
+
+
 @settings(max_examples=100, deadline=None)
 @given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=4), chunk=st.integers(1, 128),
        topk=st.integers(1, 130), bits=st.sampled_from(BITS), seed=st.integers(0, 2**16),

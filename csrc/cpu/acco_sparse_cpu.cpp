@@ -18,6 +18,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinParallel = 1 << 15;  // elements; below this a parallel region costs more than it saves
+constexpr int64_t kMinStream = 1 << 22;    // elements (16 MB): a smaller average stays in cache for its reader
 constexpr int64_t kGroup = 16;              // elements per group of the selection's first read
 
 struct Scratch {  // per thread, reused from chunk to chunk
@@ -120,15 +121,17 @@ void for_each_kept(int64_t c, int64_t len, const int64_t* entry_starts, const in
   }
 }
 
-// dst[0..n) = src[0..n) with non-temporal stores where aligned: out is written once and not read again here,
-// so its lines need not be read into the cache first.
-void stream_store(float* dst, const float* src, int64_t n) {
+// dst[0..n) = src[0..n); with `stream`, non-temporal stores where aligned: a large out is written once and not
+// read again here, so its lines need not be read into the cache first.
+void store(float* dst, const float* src, int64_t n, bool stream) {
   int64_t i = 0;
 #if defined(__SSE2__)
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u); ++i) dst[i] = src[i];
-  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  if (stream) {
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15u); ++i) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  }
 #endif
-  for (; i < n; ++i) dst[i] = src[i];
+  std::memcpy(dst + i, src + i, sizeof(float) * (n - i));
 }
 
 }  // namespace
@@ -193,11 +196,12 @@ int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const 
   std::memset(out + offsets[chunks], 0, sizeof(float) * (numel - offsets[chunks]));
   int64_t bad = 0;
   const bool parallel = offsets[chunks] - offsets[0] >= kMinParallel;
+  const bool stream = offsets[chunks] - offsets[0] >= kMinStream;
 #pragma omp parallel if (parallel) reduction(+ : bad)
   {
     // One chunk at a time in a scratch buffer that stays in cache: zero, every replica's entries in replica
     // order (so each element's sum rounds as the reference's unpack after unpack), the division, then one
-    // streaming write to out. The reference instead makes 1 + R + 1 passes over out.
+    // write to out (streaming when out is large). The reference instead makes 1 + R + 1 passes over out.
     std::vector<float> sum;
     std::vector<uint8_t> divided;  // all 0 between chunks
 #pragma omp for schedule(static)
@@ -217,7 +221,7 @@ int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const 
         });
         for_each_kept(c, len, entry_starts, indices, weights, replicas, [&](int64_t i) { divided[i] = 0; });
       }
-      stream_store(out + offsets[c], sum.data(), len);
+      store(out + offsets[c], sum.data(), len, stream);
     }
   }
 #if defined(__SSE2__)
