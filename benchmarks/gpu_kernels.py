@@ -142,8 +142,9 @@ def bits_equal(a, b):
 
 
 def sparse_correctness(native, device, tiny, log):
-    """native sparse_pack / sparse_unpack_accumulate on ``device`` vs the reference on the CPU, same data, bit for
-    bit: indices, codes, scales, the residual left in e, and out after unpacking (weight 1/3)."""
+    """native sparse_pack / sparse_unpack_accumulate / sparse_average on ``device`` vs the reference on the CPU,
+    same data, bit for bit: indices, codes, scales, the residual left in e, out after unpacking (weight 1/3), and
+    the average of three payloads (weights 2, 0, 1)."""
     from acco_ds.ops import reference as R
     cases = []
     for numels, chunk, topk in SPARSE_LAYOUTS[:-1] if tiny else SPARSE_LAYOUTS:
@@ -157,13 +158,19 @@ def sparse_correctness(native, device, tiny, log):
             want_out, got_out = base.clone(), base.to(device)
             R.sparse_unpack_accumulate(want_out, offsets, *want, topk=topk, value_bits=bits, weight=1 / 3)
             native.sparse_unpack_accumulate(got_out, offsets, *got, topk=topk, value_bits=bits, weight=1 / 3)
+            # the receiver's average of this payload and the residual's (weights 2, 0 and 1)
+            want_avg, got_avg = torch.empty_like(want_out), torch.empty_like(got_out)
+            more = R.sparse_pack(want_e.clone(), offsets, topk=topk, value_bits=bits)
+            R.sparse_average(want_avg, offsets, [want, want, more], [2.0, 0.0, 1.0], topk=topk, value_bits=bits)
+            native.sparse_average(got_avg, offsets, [got, got, [t.to(device) for t in more]], [2.0, 0.0, 1.0],
+                                  topk=topk, value_bits=bits)
             same = {name: bits_equal(a, b) for name, a, b in
-                    zip(("indices", "values", "scales", "residual", "out"), (*got, got_e, got_out),
-                        (*want, want_e, want_out))}
+                    zip(("indices", "values", "scales", "residual", "out", "average"), (*got, got_e, got_out, got_avg),
+                        (*want, want_e, want_out, want_avg))}
             cases.append({"numels": numels, "chunk": chunk, "topk": topk, "value_bits": bits, "equal": same,
                           "pass": all(same.values())})
     n_pass = sum(c["pass"] for c in cases)
-    log(f"sparse_pack / sparse_unpack_accumulate ({native.name}) vs reference: {n_pass}/{len(cases)} cases bit-exact")
+    log(f"sparse_pack / sparse_unpack_accumulate / sparse_average ({native.name}) vs reference: {n_pass}/{len(cases)} cases bit-exact")
     return {"cases": cases, "all_pass": n_pass == len(cases)}
 
 
