@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 
 def load_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
-    """The standard library's .py files, sorted by path, concatenated as bytes."""
+    """The standard library's .py files, sorted by path, concatenated as bytes (uint8: 1 byte a token in
+    memory; ``Batches`` makes the windows it draws int64)."""
     root = sysconfig.get_paths()["stdlib"]
     data = bytearray()
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
@@ -29,7 +30,7 @@ def load_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
             data += f.read()
         if len(data) >= max_bytes:
             break
-    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
+    return torch.frombuffer(data, dtype=torch.uint8)[:max_bytes].clone()
 
 
 class Batches:
@@ -41,8 +42,8 @@ class Batches:
     def get(self, i: int):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         starts = torch.randint(len(self.data) - self.block_size - 1, (self.batch_size, ), generator=g)
-        x = torch.stack([self.data[s:s + self.block_size] for s in starts.tolist()])
-        y = torch.stack([self.data[s + 1:s + 1 + self.block_size] for s in starts.tolist()])
+        x = torch.stack([self.data[s:s + self.block_size] for s in starts.tolist()]).long()
+        y = torch.stack([self.data[s + 1:s + 1 + self.block_size] for s in starts.tolist()]).long()
         return x, y
 
 
