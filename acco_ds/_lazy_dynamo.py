@@ -41,7 +41,7 @@ def _call_through(fn):
 
 def defer_optimizer() -> None:
     """torch.optim.Optimizer's dynamo-disabled methods: no torch._dynamo import until it is imported elsewhere."""
-    if "torch._dynamo" in sys.modules:  # too late to save anything; torch's own path is already right
+    if imported("torch._dynamo"):  # too late to save anything; torch's own path is already right
         return
     import torch
     marker = torch._disable_dynamo(lambda: None).__code__  # the wrapper torch._disable_dynamo returns

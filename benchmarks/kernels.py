@@ -372,7 +372,7 @@ def sparse_section(args, dev, threads, sizes, native, command, path):
             out.zero_()
             for payload, w in zip((want, want2), weights):
                 torch_sparse_unpack(out, *payload, chunk, topk, bits, weight=w)
-            out.div_(sum(weights))
+            out.div_(out.new_tensor(sum(weights)))  # as the reference: a Python scalar is a reciprocal on CUDA
 
         native.sparse_average(out, offsets, [got, got2], weights, **kw)
         expected = out.clone()

@@ -204,7 +204,7 @@ int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const 
     // write to out (streaming when out is large). The reference instead makes 1 + R + 1 passes over out.
     std::vector<float> sum;
     std::vector<uint8_t> divided;  // all 0 between chunks
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t len = offsets[c + 1] - offsets[c];
       sum.assign(len, 0.0f);
@@ -223,10 +223,12 @@ int64_t sparse_average(float* out, int64_t numel, const int64_t* offsets, const 
       }
       store(out + offsets[c], sum.data(), len, stream);
     }
-  }
 #if defined(__SSE2__)
-  _mm_sfence();  // the streaming stores are visible before the caller reads out
+    // Each thread orders its own streaming stores before the region's closing barrier, so they are visible
+    // to the caller (and to other threads) when the region ends.
+    if (stream) _mm_sfence();
 #endif
+  }
   return bad;
 }
 
