@@ -10,7 +10,8 @@ syncs. The same failure schedule (seeded: at the global model's sync k, plus a f
 victim comes back ``--down_s`` later) hits both arms:
 
 * ``ft``: a torchft lighthouse and one ``deepspeed --num_gpus 1`` launch per replica (``--launcher``: or
-  the rank alone; ``acco.fault_tolerance``, merge "tokens", min_replicas 1). A kill is a SIGKILL
+  the rank alone, or ``acco_ds.warm``, which forks the rank from a parent that imported everything once and
+  forks it again after a kill; ``acco.fault_tolerance``, merge "tokens", min_replicas 1). A kill is a SIGKILL
   of the victim launch's process group; the relaunch has the same REPLICA_GROUP_ID and heals from a live one.
 * ``plain``: one ``deepspeed --num_gpus 3`` launch, ``"local_sgd": {"replica_group_size": 1}``, a checkpoint
   every ``--save_every`` syncs. A kill is a SIGKILL of the victim rank, then of the whole launch (a rank's
@@ -96,6 +97,7 @@ class Run:
         self.dir.mkdir(parents=True)
         self.record = self.dir / "rec"
         self.ft = not name.startswith("plain")
+        self.warm = self.ft and args.launcher == "warm"
         self.paths = []
         for i, cfg in enumerate(configs(args, name)):
             self.paths.append(self.dir / f"config{i}.json")
@@ -114,7 +116,7 @@ class Run:
             port = LIGHTHOUSE_PORT + RUNS.index(self.name)
             self.env["TORCHFT_LIGHTHOUSE"] = f"http://localhost:{port}"
             argv = [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
-                    "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "2000"]
+                    "--join_timeout_ms", str(int(self.args.join_timeout_s * 1000)), "--heartbeat_timeout_ms", "2000"]
             self.lighthouse = harness.RankSet([({}, argv)], self.dir / "lighthouse")
         for r in range(3 if self.ft else 1):
             self.launch(r)
@@ -127,7 +129,7 @@ class Run:
         port = base + (FT_PORTS + 10 * r + 2 * (n % 4) if self.ft else PLAIN_PORT + 2 * (n % 8))
         env = dict(self.env, REPLICA_GROUP_ID=str(r), TORCHFT_MANAGER_PORT=str(port + 1)) if self.ft else self.env
         kind = args.launcher if self.ft else "deepspeed"  # --launcher: how a fault-tolerant replica starts
-        env, launcher = chaos_phases.launcher(kind, env, BIN, 1 if self.ft else 3, port)
+        env, launcher = chaos_phases.launcher(kind, env, BIN, 1 if self.ft else 3, port, args.down_s)
         argv = launcher + [WORKER, "--deepspeed_config", str(self.paths[r]), "--syncs", str(args.syncs_of(self.name)),
                            "--record", str(self.record), "--n_layer", str(args.n_layer), "--n_embd",
                            str(args.n_embd), "--eval_every", "1", "--seed", str(args.seed)]
@@ -155,6 +157,15 @@ class Run:
             except (IndexError, ProcessLookupError):
                 pass
         key = victim if self.ft else 0
+        if self.warm:  # the rank dies; its launcher (acco_ds.warm) forks it again --down_s later
+            import psutil
+            for child in psutil.Process(self.launches[key].procs[0].pid).children():
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)  # the rank leads a session of its own
+                except ProcessLookupError:
+                    pass
+            self.events.append({"event": "kill", "t": time.time() - self.t0, "replica": victim})
+            return key
         self.launches.pop(key).kill_all()
         self.events.append({"event": "kill", "t": time.time() - self.t0, "replica": victim})
         return key
@@ -167,11 +178,14 @@ class Run:
             now = time.time()
             for due, r in [p for p in pending if p[0] <= now]:
                 pending.remove((due, r))
-                if not self.ft or any(rs.poll()[0] is None for rs in self.launches.values()):
+                if self.warm:  # acco_ds.warm restarts the rank itself: note when it is due
+                    self.events.append({"event": "launch", "t": due - self.t0, "replica": r, "launch": None})
+                elif not self.ft or any(rs.poll()[0] is None for rs in self.launches.values()):
                     self.launch(r)
                 else:  # the others have finished: a relaunch would start over alone from the initial weights
                     self.events.append({"event": "relaunch skipped (run over)", "t": now - self.t0, "replica": r})
-            live = [r for r in self.launches if self.launches[r].poll()[0] is None]
+            down = {r for _, r in pending} if self.warm else set()  # a warm launcher outlives its killed rank
+            live = [r for r in self.launches if self.launches[r].poll()[0] is None and r not in down]
             if kills and live and max([d["sync"] for d in self.records() if d["t"] > self.t0] or [0]) >= kills[0]["sync"]:
                 armed = armed or now + kills[0]["offset_s"]
                 if now >= armed:
@@ -309,6 +323,9 @@ def main(argv=None):
     ap.add_argument("--n_layer", type=int, default=2)
     ap.add_argument("--n_embd", type=int, default=64)
     ap.add_argument("--quorum_timeout_s", type=float, default=90.0)
+    ap.add_argument("--join_timeout_s", type=float, default=10.0,
+                    help="the lighthouse's wait for a live replica late to a sync (above the spread of arrivals, or a "
+                         "late replica is left out and heals at the next)")
     ap.add_argument("--run_limit_s", type=float, default=600.0, help="hard deadline of each run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launcher", choices=chaos_phases.LAUNCHERS, default="deepspeed", help="of the ft arm")
@@ -362,7 +379,7 @@ def main(argv=None):
                          f"micro-batch 8 x 4 accumulation (4096 tokens per inner step per replica); diloco sync_every "
                          f"{args.sync_every}, {args.syncs} syncs (configs/diloco_ft_cpu.json: AdamW lr 2e-3, outer "
                          f"defaults; fault tolerance min_replicas 1, merge tokens, timeout_s 30; lighthouse "
-                         f"join_timeout 10 s, heartbeat_timeout 2 s); restart-all: a checkpoint every {args.save_every} "
+                         f"join_timeout {args.join_timeout_s:g} s, heartbeat_timeout 2 s); restart-all: a checkpoint every {args.save_every} "
                          f"syncs, relaunch + load_checkpoint; relaunch {args.down_s:g} s after a kill; each replica held "
                          f"to {args.cores or 'uncapped'} CPU cores by a cgroup of cpu.shares {args.shares} (a process: "
                          f"1024; the single launch: 3x both); validation of the committed model (4 batches) at every "
@@ -371,7 +388,8 @@ def main(argv=None):
                     harness.sh("git", "-C", str(ROOT), "status", "--porcelain", "-uno").stdout.strip() else ""),
             "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else "") +
                        (" --together" if args.together else "") + (f" --cores {args.cores:g}" if args.cores != 0.45 else "") +
-                       (f" --launcher {args.launcher}" if args.launcher != "deepspeed" else ""),
+                       (f" --launcher {args.launcher}" if args.launcher != "deepspeed" else "") +
+                       (f" --join_timeout_s {args.join_timeout_s:g}" if args.join_timeout_s != 10 else ""),
             "minutes": round((time.time() - t0) / 60, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "seed": args.seed, "schedule": schedule,
             "schedule_words": "; ".join(f"sync {k['sync']} + {k['offset_s']} s: replica {k['victim']}"

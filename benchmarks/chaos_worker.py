@@ -67,15 +67,26 @@ def committed_digest(engine) -> str:
     return h.hexdigest()
 
 
+def started_at(pid) -> float:
+    """A process's start as a wall-clock time, to the kernel's clock tick: /proc's start time (since boot)
+    against CLOCK_BOOTTIME. psutil's ``create_time`` adds a boot time rounded to the second, which put a
+    process's start up to a second off the ``time.time()`` stamps it is compared with."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def process_times() -> dict:
     """This process's start and its launcher's (the oldest ancestor of this launch that is the ``deepspeed``
-    runner or its launch.py; this process when started directly), as wall-clock times."""
+    runner or its launch.py; this process when started directly or forked by acco_ds.warm), as wall-clock
+    times."""
     me = psutil.Process()
     ancestors = [p for p in me.parents() if p.create_time() > me.create_time() - 120]  # this launch's own
     launcher = [p for p in ancestors if any("deepspeed" in a or "torchrun" in a or "torch.distributed.run" in a
                                             for a in p.cmdline()[:3])]
-    return {"proc_start": me.create_time(), "t_main": T_MAIN, "t_imported": T_IMPORTED,
-            "launcher_start": min(p.create_time() for p in launcher) if launcher else me.create_time()}
+    start = started_at(me.pid)
+    return {"proc_start": start, "t_main": T_MAIN, "t_imported": T_IMPORTED,
+            "launcher_start": min(started_at(p.pid) for p in launcher) if launcher else start}
 
 
 def main():

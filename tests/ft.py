@@ -43,9 +43,10 @@ class Fleet:
     def __exit__(self, *exc):
         self.close()
 
-    def start(self, name: str, spec: dict, ranks: int = 1, replica_id=None, env=None, torchrun: bool = False):
+    def start(self, name: str, spec: dict, ranks: int = 1, replica_id=None, env=None, torchrun: bool = False,
+              warm: list = None):
         """Launch replica ``name``: ``ranks`` processes running the worker on ``spec``, started here, or by
-        ``torchrun`` (one process group, killed as a whole)."""
+        ``torchrun``, or by ``acco_ds.warm`` with the options ``warm`` (one process group, killed as a whole)."""
         spec_path = self.workdir / f"{name}.json"
         spec_path.write_text(json.dumps(spec))
         port = free_port()
@@ -56,10 +57,11 @@ class Fleet:
                     PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
                     **(env or {}))
         procs = []
-        if torchrun:
+        if torchrun or warm is not None:
             log = open(self.workdir / f"{name}.rank0.log", "w")
-            procs.append(subprocess.Popen([TORCHRUN, "--nproc_per_node", str(ranks), "--master_port", str(port),
-                                           str(self.worker), str(spec_path), str(self.workdir), name],
+            launcher = [TORCHRUN] if torchrun else [sys.executable, "-m", "acco_ds.warm"] + list(warm)
+            procs.append(subprocess.Popen(launcher + ["--nproc_per_node", str(ranks), "--master_port", str(port),
+                                                      str(self.worker), str(spec_path), str(self.workdir), name],
                                           env=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
             self.replicas[name] = procs

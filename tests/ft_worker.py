@@ -5,7 +5,9 @@
 ``<name>.rank<r>.pt``.
 
 Fault injection: ``die_at_micro`` (SIGKILL of every rank of this replica before that micro-batch, i.e.
-mid-period). The test steers a running replica through ``<workdir>/control.json``: ``{"die": {name: n}}``
+mid-period; only in a first start: a launcher that restarts the rank, ``acco_ds.warm``, says which start it is
+in ``TORCHELASTIC_RESTART_COUNT``). ``<name>.rank<r>.pt`` also says which modules were imported before this
+script's own imports (``preloaded``: what a warm launcher had imported) and this process's id. The test steers a running replica through ``<workdir>/control.json``: ``{"die": {name: n}}``
 kills this replica in the sync it runs once it has ``n`` syncs, after the quorum formed (the others are
 in the all-reduce, which fails under them), ``{"stop_at_syncs": n}`` ends training at ``n`` syncs."""
 
@@ -15,6 +17,9 @@ import signal
 import sys
 import time
 from datetime import timedelta
+
+PRELOADED = sorted(m for m in ("torch", "deepspeed", "acco_ds", "torchft") if m in sys.modules)  # before ours
+RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 import torch
 import torch.distributed as dist
@@ -99,7 +104,8 @@ def main():
     host = (TorchHost if spec.get("host") == "torch" else DeepSpeedHost)(spec)
     engine, outer = host.engine, host.outer
     out = {"params": [], "committed": [], "syncs": [], "steps_at_join": engine.global_steps,
-           "syncs_at_join": engine.acco_syncs, "quorums": []}
+           "syncs_at_join": engine.acco_syncs, "quorums": [], "preloaded": PRELOADED, "pid": os.getpid(),
+           "restart": RESTART}
     blocking = outer._blocking_sync
     average = outer.transport.average
 
@@ -152,7 +158,8 @@ def main():
     def write_progress():
         path = os.path.join(workdir, f"{name}.rank{rank}.progress.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"syncs": engine.acco_syncs, "global_steps": engine.global_steps, "time": time.time()}, f)
+            json.dump({"syncs": engine.acco_syncs, "global_steps": engine.global_steps, "time": time.time(),
+                       "restart": RESTART}, f)
         os.replace(path + ".tmp", path)
 
     def more():
@@ -162,7 +169,7 @@ def main():
 
     write_progress()
     while more():
-        if spec.get("die_at_micro") is not None and micro >= spec["die_at_micro"]:
+        if spec.get("die_at_micro") is not None and micro >= spec["die_at_micro"] and RESTART == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         before = engine.global_steps
         host.step([common.micro_batch(data_rank, micro + i) for i in range(gas)])

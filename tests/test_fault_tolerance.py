@@ -189,6 +189,34 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_replica_under_acco_ds_warm_restarts_forked_and_heals(tmp_path):
+    """Replica 1 runs under ``acco_ds.warm`` (a parent that imported torch, DeepSpeed, acco_ds and torchft once)
+    and SIGKILLs itself mid-period. The launcher forks it again: the new rank is another process that found
+    those modules imported, heals from replica 0 (its sync count and step count), and both end on the same
+    committed weights after the same syncs, every launch exiting 0."""
+    slow = {"sleep_per_step": 0.3, "syncs": 10_000}
+    with Fleet(tmp_path, min_replicas=1) as fleet:
+        fleet.start("r0", {"config": ft_config(), **slow})
+        fleet.start("r1", {"config": ft_config(), "die_at_micro": 9, **slow},
+                    warm=["--restarts", "1", "--restart_delay_s", "1"])
+        fleet.wait_for(lambda: "restart 1 of 1" in fleet.logs("r1"), 240, "acco_ds.warm to restart replica 1")
+        dead_at = fleet.syncs("r0")
+        fleet.wait_for(lambda: fleet.progress("r1").get("restart") == 1, 240, "the restarted rank to join")
+        joined = fleet.syncs("r1")
+        fleet.wait_for(lambda: fleet.syncs("r1") > joined + 1, 120, "syncs of the restarted rank after its join")
+        fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r1")) + 2)
+        assert [fleet.wait(r, 240) for r in ("r0", "r1")] == [[0], [0]], fleet.logs("r1")
+        log = (tmp_path / "r1.rank0.log").read_text()
+    r0, r1 = fleet.result("r0"), fleet.result("r1")
+    assert "rank 0 was killed by SIGKILL" in log and log.count("imported torch, deepspeed, acco_ds, torchft") == 1, log
+    assert r1["restart"] == 1 and r1["preloaded"] == ["acco_ds", "deepspeed", "torch", "torchft"]
+    assert not {"torch", "deepspeed", "torchft"} & set(r0["preloaded"]), "a rank started fresh imports them itself"
+    assert r1["syncs_at_join"] >= dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
+    assert r0["acco_syncs"] == r1["acco_syncs"] and torch.equal(r0["final"], r1["final"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_no_quorum_says_so_while_waiting_then_raises(tmp_path):
     """min_replicas 2 with one replica: a progress line every 10 s, then an error after quorum_timeout_s that
     names the lighthouse, min_replicas and the fix; the replica exits non-zero instead of hanging."""
