@@ -146,7 +146,8 @@ class Ranks:
             gc.enable()
             k = self.args.nproc_per_node
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
-                              GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT=str(self.restarts), MASTER_ADDR=self.args.master_addr, MASTER_PORT=str(self.args.master_port))
+                              GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT=str(self.restarts),
+                              MASTER_ADDR=self.args.master_addr, MASTER_PORT=str(self.args.master_port))
             from . import run
             code = run.main(self.args.script) or 0
         except SystemExit as stop:
