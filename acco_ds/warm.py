@@ -174,11 +174,10 @@ class Ranks:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
                 break
-            rank = self.pids.pop(pid, None)
-            if rank is None:
+            if pid not in self.pids:
                 continue
+            rank = self._reaped(pid)
             code = os.waitstatus_to_exitcode(status)
-            _signal_group(pid, signal.SIGKILL)  # what the rank started and left behind
             if code != 0 and self.failed is None:
                 self.failed = (rank, code)
                 if self.stopping is None:
@@ -199,13 +198,17 @@ class Ranks:
             for pid in list(self.pids):
                 done, _ = os.waitpid(pid, os.WNOHANG)
                 if done:
-                    self.pids.pop(pid)
-                    _signal_group(pid, signal.SIGKILL)
+                    self._reaped(pid)
             time.sleep(0.05)
         for pid in list(self.pids):
             _signal_group(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            self.pids.pop(pid)
+            self._reaped(pid)
+
+    def _reaped(self, pid: int) -> int:
+        """``pid`` has exited: forget it, and kill what it started and left behind; returns its rank."""
+        _signal_group(pid, signal.SIGKILL)
+        return self.pids.pop(pid)
 
     # ---------------------------------------------------------------- signals
     def on_signal(self, sig, frame) -> None:
@@ -255,12 +258,11 @@ def main(argv=None) -> int:
         signal.signal(sig, ranks.on_signal)
     say(f"imported {', '.join(names) or 'nothing'} in {time.perf_counter() - t0:.1f} s; starting "
         f"{args.nproc_per_node} rank(s) of {' '.join(args.script)}")
-    while True:
+    while ranks.stopping is None:
         ranks.start()
         code = ranks.wait()
         if ranks.stopping is not None:
-            say(f"stopped by {signal.Signals(ranks.stopping).name}; no restart")
-            return 128 + ranks.stopping
+            break
         if code == 0:
             return 0
         if ranks.restarts == args.restarts:
@@ -270,9 +272,8 @@ def main(argv=None) -> int:
         say(f"restart {ranks.restarts} of {args.restarts} in {args.restart_delay_s:g} s: forking the "
             f"{args.nproc_per_node} rank(s) again")
         ranks.pause(args.restart_delay_s)
-        if ranks.stopping is not None:
-            say(f"stopped by {signal.Signals(ranks.stopping).name}; no restart")
-            return 128 + ranks.stopping
+    say(f"stopped by {signal.Signals(ranks.stopping).name}; no restart")
+    return 128 + ranks.stopping
 
 
 if __name__ == "__main__":

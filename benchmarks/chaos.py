@@ -147,8 +147,9 @@ class Run:
         return sorted(out, key=lambda d: d["t"])
 
     def kill(self, victim):
-        """SIGKILL: the victim launch's process group (ft), or the victim rank, then its whole launch (plain);
-        returns the launch to relaunch."""
+        """SIGKILL: the victim launch's process group (ft), or the victim rank, then its whole launch (plain), or
+        the victim rank alone (``--launcher warm``: its acco_ds.warm parent forks it again); returns the launch to
+        relaunch."""
         if not self.ft:
             since = self.t0 + max(e["t"] for e in self.events if e["event"] == "launch")
             pids = [d["pid"] for d in self.records() if d["replica"] == victim and d["t"] > since]
@@ -164,9 +165,8 @@ class Run:
                     os.killpg(child.pid, signal.SIGKILL)  # the rank leads a session of its own
                 except ProcessLookupError:
                     pass
-            self.events.append({"event": "kill", "t": time.time() - self.t0, "replica": victim})
-            return key
-        self.launches.pop(key).kill_all()
+        else:
+            self.launches.pop(key).kill_all()
         self.events.append({"event": "kill", "t": time.time() - self.t0, "replica": victim})
         return key
 
