@@ -66,13 +66,26 @@ class FaultToleranceConfig(_Documented):
 
     quorum_timeout_s: float = Field(600.0, gt=0.0, allow_inf_nan=False)
     """How long a sync waits for a quorum of at least ``min_replicas`` replicas (progress lines every
-    10 s meanwhile) before it raises. A joining replica waits up to one sync period of the others."""
+    10 s meanwhile) before it raises. A joining replica waits up to one sync period of the others with
+    ``join: "next_sync"``, about one inner step of theirs with ``"early"``."""
 
     merge: Literal["mean", "tokens"] = "mean"
     """How the participants' pseudo-gradients are merged: ``mean``, every replica that trained since the
     global model it holds alike; ``tokens``, each weighted by the inner steps it trained since then (its
     tokens, the per-step batch being the same), so a slow replica (A-EDiT) counts for what it did. A
     replica that just healed weighs 0."""
+
+    join: Literal["early", "next_sync"] = "early"
+    """When a new or relaunched replica joins. ``early``: the live replicas end their period at their next
+    inner step once a replica outside their last quorum waits for one (rank 0 of each replica reads the
+    lighthouse's status page every ``join_poll_s``), so the joiner heals within about a step instead of up
+    to a whole period; that period is shorter and the run has one more sync. ``next_sync``: the joiner waits
+    for the live replicas' scheduled sync. Streaming DiLoCo syncs a fragment every ``sync_every /
+    fragments`` steps and always joins there."""
+
+    join_poll_s: float = Field(0.5, gt=0.0, le=60.0, allow_inf_nan=False)
+    """How often (seconds) rank 0 of a live replica reads the lighthouse's status page for waiting joiners
+    (``join: "early"``): one small HTTP request each time."""
 
     @field_validator("lighthouse")
     @classmethod
@@ -97,6 +110,11 @@ class FaultToleranceConfig(_Documented):
                              'at every quorum. Set acco.compression.apply_to to ["rounds"] (inside a replica), or '
                              'remove acco.compression')
         edit = acco.local_sgd
+        if "join" in self.model_fields_set and self.join == "early" and edit is not None and edit.streaming:
+            raise ValueError('acco.fault_tolerance.join "early" ends a period early for a joiner, but Streaming '
+                             'DiLoCo (acco.local_sgd.fragments) has no single period end: a joiner takes part in '
+                             'the next fragment sync, every sync_every / fragments inner steps. Remove join (or '
+                             'set it to "next_sync")')
         if acco.mode == "edit" and edit is not None and (edit.anomaly.enabled or edit.weighting == "norm"):
             what = "anomaly.enabled" if edit.anomaly.enabled else 'weighting="norm"'
             raise ValueError(f"acco.local_sgd.{what} cannot run with acco.fault_tolerance: EDiT's anomaly "

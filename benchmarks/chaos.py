@@ -62,7 +62,7 @@ def configs(args, run):
     base = json.loads((ROOT / "configs" / "diloco_ft_cpu.json").read_text())
     acco = base["acco"]
     acco["local_sgd"] = {"sync_every": args.sync_every}
-    acco["fault_tolerance"].update(timeout_s=30, quorum_timeout_s=args.quorum_timeout_s)
+    acco["fault_tolerance"].update(timeout_s=30, quorum_timeout_s=args.quorum_timeout_s, join=args.join)
     if run.startswith("plain"):
         del acco["fault_tolerance"]
         acco["local_sgd"]["replica_group_size"] = 1
@@ -270,7 +270,7 @@ def summarize(run, args):
     out["relaunch_phases"] = chaos_phases.relaunch_phases(recs, run.events, run.t0)
     if run.ft:
         per = [procs[p] for p in procs]
-        out.update({k: [d.get(k) for d in per] for k in ("syncs_discarded", "heals", "heal_s", "heal_bytes",
+        out.update({k: [d.get(k) for d in per] for k in ("syncs_discarded", "heals", "heal_s", "heal_bytes", "early_syncs",
                                                           "quorum_wait_s", "participants_min", "participants_mean",
                                                           "participants_max", "quorums")})
         began = {d["pid"]: d for d in starts}  # after the join: the wait for the first quorum left out
@@ -326,6 +326,8 @@ def main(argv=None):
     ap.add_argument("--join_timeout_s", type=float, default=10.0,
                     help="the lighthouse's wait for a live replica late to a sync (above the spread of arrivals, or a "
                          "late replica is left out and heals at the next)")
+    ap.add_argument("--join", choices=("early", "next_sync"), default="early",
+                    help="acco.fault_tolerance.join: end the live replicas' period for a joiner, or not")
     ap.add_argument("--run_limit_s", type=float, default=600.0, help="hard deadline of each run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launcher", choices=chaos_phases.LAUNCHERS, default="deepspeed", help="of the ft arm")
@@ -389,7 +391,8 @@ def main(argv=None):
             "command": "python benchmarks/chaos.py" + (f" --only {args.only}" if args.only else "") +
                        (" --together" if args.together else "") + (f" --cores {args.cores:g}" if args.cores != 0.45 else "") +
                        (f" --launcher {args.launcher}" if args.launcher != "deepspeed" else "") +
-                       (f" --join_timeout_s {args.join_timeout_s:g}" if args.join_timeout_s != 10 else ""),
+                       (f" --join_timeout_s {args.join_timeout_s:g}" if args.join_timeout_s != 10 else "") +
+                       (f" --join {args.join}" if args.join != "early" else ""),
             "minutes": round((time.time() - t0) / 60, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "seed": args.seed, "schedule": schedule,
             "schedule_words": "; ".join(f"sync {k['sync']} + {k['offset_s']} s: replica {k['victim']}"

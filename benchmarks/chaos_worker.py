@@ -54,7 +54,7 @@ skip_deepspeed_shm_op()  # DeepSpeed's inference-only op: no JIT build (or wait 
 T_IMPORTED = time.time()
 
 FT_KEYS = ("syncs_discarded", "heals", "heal_s", "heal_bytes", "quorum_wait_s", "quorums", "participants_min",
-           "participants_mean", "participants_max", "outer_comm_s", "outer_wait_s")
+           "participants_mean", "participants_max", "outer_comm_s", "outer_wait_s", "early_syncs")
 
 
 def committed_digest(engine) -> str:

@@ -97,7 +97,7 @@ wait "$r2" 2>/dev/null || true  # reaped here, quietly
 printf '%(%T)T killed replica 2 (SIGKILL); replicas 0 and 1 go on; relaunching it in %s s\n' -1 "$DOWN"
 pause "$DOWN"
 replica 2 "$OUT/replica2_relaunched.log"; r2=$last
-printf '%(%T)T relaunched replica 2: it heals from a live replica at their next sync\n' -1
+printf '%(%T)T relaunched replica 2: replicas 0 and 1 end their period early for it, and it heals from one\n' -1
 status=0
 for pid in "$r0" "$r1" "$r2"; do wait "$pid" || status=$?; done
 for log in replica0 replica1 replica2_relaunched; do

@@ -20,8 +20,8 @@ from test_engine import assert_matches
 GAS, H = 2, 2
 
 
-def ft_config(mode="diloco", min_replicas=1, **ft):
-    local = {"sync_every": H}
+def ft_config(mode="diloco", min_replicas=1, sync_every=H, **ft):
+    local = {"sync_every": sync_every}
     return common.ds_config(acco={"mode": mode, "local_sgd": local,
                                   "fault_tolerance": {"min_replicas": min_replicas, "timeout_s": 20,
                                                       "quorum_timeout_s": 120, **ft}}, gas=GAS)
@@ -140,21 +140,23 @@ def test_a_sparseloco_sync_discarded_by_a_death_leaves_anchor_and_error_buffers_
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
-    """Three replicas of one rank, diloco. Replica 2 is SIGKILLed mid-period: the survivors' syncs go on with
-    two participants while it is dead. Its relaunch heals from a live replica (it starts at their sync count
-    and step count) and trains on. Then replica 1 dies inside an outer all-reduce: that sync is discarded on
-    both survivors, whose anchor it leaves bit for bit as it was, and their next sync commits. The survivors
-    end on the same committed weights after the same syncs, exit code 0."""
+    """Three replicas of one rank, diloco, joiners waiting for the next sync (``join: "next_sync"``). Replica 2
+    is SIGKILLed mid-period: the survivors' syncs go on with two participants while it is dead. Its relaunch
+    heals from a live replica (it starts at their sync count and step count) and trains on. Then replica 1
+    dies inside an outer all-reduce: that sync is discarded on both survivors, whose anchor it leaves bit for
+    bit as it was, and their next sync commits. The survivors end on the same committed weights after the
+    same syncs, exit code 0, no period ended early."""
     slow = {"sleep_per_step": 0.5, "syncs": 10_000}  # the test says when to stop (control.json)
+    config = ft_config(join="next_sync")
 
     with Fleet(tmp_path, min_replicas=1) as fleet:
-        fleet.start("r0", {"config": ft_config(), **slow})
-        fleet.start("r1", {"config": ft_config(), **slow})
-        fleet.start("r2", {"config": ft_config(), "die_at_micro": 9, **slow})  # mid-period 3
+        fleet.start("r0", {"config": config, **slow})
+        fleet.start("r1", {"config": config, **slow})
+        fleet.start("r2", {"config": config, "die_at_micro": 9, **slow})  # mid-period 3
         assert fleet.wait("r2", 240) == [-9], "replica 2 was to die mid-period"
         dead_at = fleet.syncs("r0")
         fleet.wait_for(lambda: fleet.syncs("r0") >= dead_at + 2, 120, "the survivors to sync on without replica 2")
-        fleet.start("r2_again", {"config": ft_config(), **slow}, replica_id=2)
+        fleet.start("r2_again", {"config": config, **slow}, replica_id=2)
         fleet.wait_for(lambda: fleet.syncs("r2_again") >= 0, 240, "the relaunched replica to join")
         joined = fleet.syncs("r2_again")  # written right after its join: the survivors' count
         fleet.wait_for(lambda: fleet.syncs("r2_again") > joined, 60, "a sync of the relaunched replica after its join")
@@ -185,34 +187,41 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
     assert r0["acco_syncs"] == r2["acco_syncs"]
     assert torch.equal(r0["final"], r2["final"])
     assert not torch.equal(r0["final"], r0["committed"][0])
+    assert r0["stats"]["join"] == "next_sync" and r0["stats"]["early_syncs"] == 0
+    # Every period ran its H steps (a discarded sync's period is followed by the next: 2H between commits).
+    assert all((b["global_steps"] - a["global_steps"]) % H == 0 for a, b in zip(r0["syncs"], r0["syncs"][1:]))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_replica_under_acco_ds_warm_restarts_forked_and_heals(tmp_path):
+def test_a_replica_under_acco_ds_warm_restarts_forked_and_joins_early(tmp_path):
     """Replica 1 runs under ``acco_ds.warm`` (a parent that imported torch, DeepSpeed, acco_ds and torchft once)
     and SIGKILLs itself mid-period. The launcher forks it again: the new rank is another process that found
-    those modules imported, heals from replica 0 (its sync count and step count), and both end on the same
-    committed weights after the same syncs, every launch exiting 0."""
+    those modules imported. The period is 1000 steps, far beyond the test: replica 0 ends it early for the
+    joiner (``join: "early"``, the default), which heals from replica 0 (its sync count and step count); both
+    end on the same committed weights after the same syncs, every launch exiting 0."""
     slow = {"sleep_per_step": 0.3, "syncs": 10_000}
-    with Fleet(tmp_path, min_replicas=1) as fleet:
-        fleet.start("r0", {"config": ft_config(), **slow})
-        fleet.start("r1", {"config": ft_config(), "die_at_micro": 9, **slow},
+    config = ft_config(min_replicas=2, sync_every=1000)  # 2: the last sync, mid-period, waits for both
+    with Fleet(tmp_path, min_replicas=2) as fleet:
+        fleet.start("r0", {"config": config, **slow})
+        fleet.start("r1", {"config": config, "die_at_micro": 9, **slow},
                     warm=["--restarts", "1", "--restart_delay_s", "1"])
         fleet.wait_for(lambda: "restart 1 of 1" in fleet.logs("r1"), 240, "acco_ds.warm to restart replica 1")
         dead_at = fleet.syncs("r0")
         fleet.wait_for(lambda: fleet.progress("r1").get("restart") == 1, 240, "the restarted rank to join")
-        joined = fleet.syncs("r1")
-        fleet.wait_for(lambda: fleet.syncs("r1") > joined + 1, 120, "syncs of the restarted rank after its join")
-        fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r1")) + 2)
+        time.sleep(2.0)  # a few inner steps of both after the join
+        fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r1")))
         assert [fleet.wait(r, 240) for r in ("r0", "r1")] == [[0], [0]], fleet.logs("r1")
         log = (tmp_path / "r1.rank0.log").read_text()
     r0, r1 = fleet.result("r0"), fleet.result("r1")
     assert "rank 0 was killed by SIGKILL" in log and log.count("imported torch, deepspeed, acco_ds, torchft") == 1, log
     assert r1["restart"] == 1 and r1["preloaded"] == ["acco_ds", "deepspeed", "torch", "torchft"]
     assert not {"torch", "deepspeed", "torchft"} & set(r0["preloaded"]), "a rank started fresh imports them itself"
-    assert r1["syncs_at_join"] >= dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
+    assert r1["syncs_at_join"] > dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
     assert r0["acco_syncs"] == r1["acco_syncs"] and torch.equal(r0["final"], r1["final"])
+    # No period reached its 1000 steps: replica 0 synced once before the end, to take the relaunch in.
+    assert r0["stats"]["join"] == "early" and r0["stats"]["early_syncs"] == 1 and r0["global_steps"] < 1000
+    assert r0["syncs_at_join"] == 0 and r1["syncs_at_join"] == 1, r0["syncs"]
 
 
 @pytest.mark.slow
@@ -249,6 +258,13 @@ def test_bad_settings_are_refused_by_name(monkeypatch):
             'acco.local_sgd.weighting="norm" cannot run with acco.fault_tolerance')
     refused({"mode": "diloco", "fault_tolerance": {"merge": "sum"}}, '"acco.fault_tolerance.merge"')
     refused({"mode": "diloco", "fault_tolerance": {"min_replica": 2}}, 'unknown key "acco.fault_tolerance.min_replica"')
+    streaming = {"sync_every": 8, "fragments": 2}
+    refused({"mode": "diloco", "local_sgd": streaming, "fault_tolerance": {"join": "early"}},
+            'Streaming DiLoCo (acco.local_sgd.fragments) has no single period end')
+    refused({"mode": "diloco", "fault_tolerance": {"join": "now"}}, '"acco.fault_tolerance.join"')
+    refused({"mode": "diloco", "fault_tolerance": {"join_poll_s": 0}}, '"acco.fault_tolerance.join_poll_s"')
+    for ft in ({}, {"join": "next_sync"}):  # the default applies where it can: Streaming DiLoCo keeps its grid
+        parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "local_sgd": streaming, "fault_tolerance": ft}})
     ok = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "fault_tolerance": {},
                                      "compression": {"dtype": "int8", "apply_to": ["rounds"]}}})
     assert host_problems(ok, 2, 2, 2) == []  # one launch, one replica of all its ranks

@@ -41,6 +41,7 @@ class Sync:
     blocking: bool  # diloco: average this period's pseudo-gradient now and apply it
     send: bool  # co2: send this period's pseudo-gradient, applied at the next sync
     steps: int = 0  # inner steps in the period that just ended (A-EDiT weights replicas by them)
+    early: bool = False  # ended before its time, for a joiner (fault_tolerance.join "early")
 
 
 class PeriodSchedule:
@@ -68,13 +69,15 @@ class PeriodSchedule:
         """A-EDiT: the period ends on wall time."""
         return self.sync_every is None
 
-    def after_inner_step(self, time_up: bool = False):
+    def after_inner_step(self, time_up: bool = False, end_now: bool = False):
         """Count one inner step; return the ``Sync`` to run when the period ends, else None.
-        ``time_up``: A-EDiT's period time has passed (ignored with step-based periods)."""
+        ``time_up``: A-EDiT's period time has passed (ignored with step-based periods). ``end_now``: end the
+        period here whatever its length (a replica waits to join: the sync heals it now)."""
         self.inner += 1
-        if not (time_up if self.timed else self.inner >= self.sync_every):
+        due = time_up if self.timed else self.inner >= self.sync_every
+        if not (due or end_now):
             return None
-        return self._end_period()
+        return self._end_period(early=not due)
 
     def final_sync(self):
         """At the end of training: the sync that leaves every replica on one model (None: nothing to do)."""
@@ -86,9 +89,9 @@ class PeriodSchedule:
         self.inner, self.in_flight = 0, False
         return sync
 
-    def _end_period(self) -> Sync:
+    def _end_period(self, early: bool = False) -> Sync:
         sync = Sync(self.period, wait_previous=self.in_flight, blocking=self.mode != CO2,
-                    send=self.mode == CO2, steps=self.inner)
+                    send=self.mode == CO2, steps=self.inner, early=early)
         self.period += 1
         self.inner = 0
         self.in_flight = sync.send

@@ -70,8 +70,7 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
             worker = CommWorker(groups.outer_ranks, shards.device, acco.timeout_s, group=groups.outer_side) \
                 if self.overlapped else None
             self.transport = GroupTransport(groups, self.compression, worker)
-        self.outer_comm_s = 0.0  # seconds the outer all-reduces took
-        self.outer_wait_s = 0.0  # seconds the compute side waited for them
+        self.outer_comm_s, self.outer_wait_s = 0.0, 0.0  # seconds the outer all-reduces took; the compute side waited
         self.healed = False  # this sync's quorum gave this replica a peer's state
         self.unsent_steps = 0  # inner steps whose progress no committed (or in-flight) sync holds yet
 
@@ -93,8 +92,9 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
 
     def after_inner_step(self) -> None:
         self.unsent_steps += 1
-        sync = self.schedule.after_inner_step(self.time_up())
+        sync = self.schedule.after_inner_step(self.time_up(), self.joiner_waiting())
         if sync is not None:
+            self.transport.early_syncs += sync.early
             self._sync(sync)
 
     def time_up(self) -> bool:

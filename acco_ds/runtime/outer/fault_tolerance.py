@@ -8,7 +8,8 @@ calls) runs:
 * ``begin``: ``start_quorum()``, synchronous. A replica that is behind (new, or relaunched after a crash)
   receives here, rank by rank from the same rank of a live replica, what the loop registered: anchor,
   outer momentum, the loop's position and the host's inner optimizer shard and counters. It then stands
-  at the anchor and contributes nothing to this sync;
+  at the anchor and contributes nothing to this sync. With ``join: "early"`` the live replicas end their
+  period at the next inner step once rank 0's watch (``join_watch``) sees such a replica waiting;
 * ``average``: ``Σ w_i δ_i / Σ w_i``, two torchft all-reduces (SUM) of the tensors scaled by this
   replica's merge weight and of the weight, so a replica with nothing to add (weight 0) changes nothing,
   and ``merge: "tokens"`` weighs each replica by what it trained;
@@ -84,6 +85,8 @@ class TorchFTTransport:
         self._healed = False
         self._pending = None  # (tensors, works, weight tensor) of an asynchronous average
         self._weights = 0.0  # Σ w of the last average
+        self.watch = None  # join "early": rank 0's reader of the lighthouse's status page (join_watch)
+        self.early_syncs = 0  # periods this replica ended early for a joiner
 
     @property
     def participants(self) -> int:
@@ -104,12 +107,21 @@ class TorchFTTransport:
                     f"quorum_timeout_s={self.ft.quorum_timeout_s:g} s ({type(err).__name__}: {err}). Start more "
                     f"replicas, lower min_replicas, or raise quorum_timeout_s above one sync period") from err
         seconds = time.perf_counter() - t0
+        if self.watch is not None:  # what it read before this quorum formed no longer holds
+            self.watch.reset()
         self.quorum_wait_s += seconds
         self.participants_per_sync.append(self.participants)
         if self._healed:
             self.heals += 1
             self.heal_s += seconds
         return self._healed
+
+    def watch_joiners(self) -> None:
+        """Start reading the lighthouse's status page for waiting joiners (rank 0 of the replica; once)."""
+        if self.watch is None and tdist.get_rank() == 0:
+            from .join_watch import JoinWatch
+            self.watch = JoinWatch(self.lighthouse, self.ft.join_poll_s,
+                                   say=lambda line: print(line, flush=True))
 
     def _heal(self, state: dict) -> None:
         self.heal_bytes += _nbytes(state)
@@ -217,9 +229,13 @@ class TorchFTTransport:
                 "participants_min": min(n) if n else None, "participants_max": max(n) if n else None,
                 "participants_mean": sum(n) / len(n) if n else None, "syncs_discarded": self.discarded,
                 "heals": self.heals, "heal_bytes": self.heal_bytes, "heal_s": self.heal_s,
-                "quorum_wait_s": self.quorum_wait_s, "quorums": len(n)}
+                "quorum_wait_s": self.quorum_wait_s, "quorums": len(n), "join": self.ft.join,
+                "early_syncs": self.early_syncs}
 
     def close(self) -> None:
+        watch, self.watch = getattr(self, "watch", None), None
+        if watch is not None:
+            watch.close()
         manager, self.manager = getattr(self, "manager", None), None
         if manager is not None:
             manager.shutdown(wait=True)
@@ -229,7 +245,10 @@ class JoinsAndHeals:
     """What a local-SGD loop (``base.LocalSGD``, which mixes this in) does for replicas that come and go: the
     join before the first inner step, and the state a healing replica takes from a live one. A loop with
     more position (Streaming DiLoCo) or state in flight (CO2) extends ``join_tensors``, ``after_join``,
-    ``loop_state`` and ``load_loop_state``."""
+    ``loop_state`` and ``load_loop_state``. ``joins_early``: the loop can end a period at any inner step for a
+    joiner (``fault_tolerance.join: "early"``); Streaming DiLoCo cannot, its fragments sync on a fixed grid."""
+
+    joins_early = True
 
     @torch.no_grad()
     def join(self) -> None:
@@ -240,12 +259,24 @@ class JoinsAndHeals:
             return
         while not self.join_sync():
             pass
+        if self.joins_early and self.fault_tolerance.join == "early":
+            self.transport.watch_joiners()
         if self.transport.participants == 1 and not self.healed and tdist.get_rank() == 0:
             # Alone with nothing to heal from: torchft cannot tell a new job from one whose replicas are all gone.
             print(f"[acco_ds] replica {self.transport.replica_id}: alone in its first quorum at "
                   f"{self.transport.lighthouse}: the global model starts from this replica's own weights. If "
                   f"replicas of this run trained before and are all gone, their global model is not here: load a "
                   f"checkpoint (save_checkpoint per replica) or keep min_replicas above 1", flush=True)
+
+    def joiner_waiting(self) -> bool:
+        """``join: "early"``: has rank 0's watch seen a replica waiting to join? Every rank of the replica
+        takes rank 0's answer (one small all-reduce per inner step when the replica has several ranks), so
+        they all end the period at the same inner step."""
+        if self.fault_tolerance is None or not self.joins_early or self.fault_tolerance.join != "early":
+            return False
+        watch = self.transport.watch
+        seen = 1.0 if watch is not None and watch.seen else 0.0
+        return self.groups.reduce(seen, self.anchor[0].device, op=tdist.ReduceOp.MAX) > 0
 
     def join_sync(self) -> bool:
         """One sync of the replicas present, this replica with weight 0; True when it committed (then this

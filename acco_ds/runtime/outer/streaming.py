@@ -65,8 +65,10 @@ def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tupl
 class StreamingDiLoCo(DiLoCo):
     """The outer loop of mode ``diloco`` with ``fragments``/``fragment_sync_delay``/``fragment_update_alpha``.
 
-    Args: as ``LocalSGD``.
+    Args: as ``LocalSGD``. A joiner takes part in the next fragment sync (every ``sync_every / F`` steps).
     """
+
+    joins_early = False
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
         ls = acco.local_sgd
@@ -76,10 +78,8 @@ class StreamingDiLoCo(DiLoCo):
         self.slices = fragment_slices(shards, groups.shard, self.F)
         self.step = 0  # inner steps since the start (or the last restart)
         self.pending: Optional[dict] = None  # {"fragment", "delta", "received"} of the prepared fragment
-        self.fragment_syncs = [0] * self.F
-        self.fragment_comm_s = [0.0] * self.F
-        self.fragment_wait_s = [0.0] * self.F
-        self.fragment_bytes = [0] * self.F  # payload this rank handed to each fragment's all-reduces
+        self.fragment_comm_s, self.fragment_wait_s = [0.0] * self.F, [0.0] * self.F
+        self.fragment_syncs, self.fragment_bytes = [0] * self.F, [0] * self.F  # bytes: payload to its all-reduces
         self.prepared_at = [0] * self.F  # inner step of each fragment's last δ
         self.fragment_base = [0] * self.F  # inner step of the δ of each fragment's last committed sync
 

@@ -39,6 +39,7 @@ class GroupTransport:
 
     fault_tolerant = False
     committed: Optional[int] = None  # every sync commits: the period schedule counts them
+    early_syncs = 0  # no joiners here: every period runs its length
 
     def __init__(self, groups: ReplicaGroups, compression: Optional[OuterCompression],
                  worker: Optional[CommWorker]):

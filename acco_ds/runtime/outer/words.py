@@ -60,7 +60,9 @@ def fault_tolerance_words(s: dict) -> str:
            f"(min/mean/max)")
     return (f"replica {s['replica_id']}: {s['quorums']} quorums, {who}, {s['syncs_discarded']} syncs discarded, "
             f"{s['heals']} heals ({s['heal_bytes'] / 2**20:.2f} MiB, {s['heal_s']:.2f} s), "
-            f"{s['quorum_wait_s']:.2f} s waiting for quorums")
+            f"{s['quorum_wait_s']:.2f} s waiting for quorums, "
+            + (f"{s['early_syncs']} periods ended early for a joiner" if s["join"] == "early" else
+               "joiners wait for the next sync"))
 
 
 def progress(loop) -> str:
