@@ -195,33 +195,37 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_replica_under_acco_ds_warm_restarts_forked_and_joins_early(tmp_path):
-    """Replica 1 runs under ``acco_ds.warm`` (a parent that imported torch, DeepSpeed, acco_ds and torchft once)
-    and SIGKILLs itself mid-period. The launcher forks it again: the new rank is another process that found
-    those modules imported. The period is 1000 steps, far beyond the test: replica 0 ends it early for the
-    joiner (``join: "early"``, the default), which heals from replica 0 (its sync count and step count); both
-    end on the same committed weights after the same syncs, every launch exiting 0."""
+    """Two replicas of two ranks. Replica 1 runs under ``acco_ds.warm`` (a parent that imported torch,
+    DeepSpeed, acco_ds and torchft once), and its ranks SIGKILL themselves mid-period. The launcher forks them
+    again: each new rank is another process that found those modules imported. The period is 1000 steps, far
+    beyond the test: both ranks of replica 0 end it at the same inner step for the joiner (``join: "early"``,
+    the default), which heals rank by rank from replica 0 (its sync count and step count); all four ranks end
+    on the same committed weights after the same syncs, every launch exiting 0."""
     slow = {"sleep_per_step": 0.3, "syncs": 10_000}
     config = ft_config(min_replicas=2, sync_every=1000)  # 2: the last sync, mid-period, waits for both
     with Fleet(tmp_path, min_replicas=2) as fleet:
-        fleet.start("r0", {"config": config, **slow})
-        fleet.start("r1", {"config": config, "die_at_micro": 9, **slow},
+        fleet.start("r0", {"config": config, **slow}, ranks=2)
+        fleet.start("r1", {"config": config, "die_at_micro": 9, **slow}, ranks=2,
                     warm=["--restarts", "1", "--restart_delay_s", "1"])
         fleet.wait_for(lambda: "restart 1 of 1" in fleet.logs("r1"), 240, "acco_ds.warm to restart replica 1")
         dead_at = fleet.syncs("r0")
-        fleet.wait_for(lambda: fleet.progress("r1").get("restart") == 1, 240, "the restarted rank to join")
+        fleet.wait_for(lambda: fleet.progress("r1").get("restart") == 1, 240, "the restarted ranks to join")
         time.sleep(2.0)  # a few inner steps of both after the join
         fleet.control(stop_at_syncs=max(fleet.syncs("r0"), fleet.syncs("r1")))
-        assert [fleet.wait(r, 240) for r in ("r0", "r1")] == [[0], [0]], fleet.logs("r1")
+        assert [fleet.wait(r, 240) for r in ("r0", "r1")] == [[0, 0], [0]], fleet.logs("r1")
         log = (tmp_path / "r1.rank0.log").read_text()
-    r0, r1 = fleet.result("r0"), fleet.result("r1")
-    assert "rank 0 was killed by SIGKILL" in log and log.count("imported torch, deepspeed, acco_ds, torchft") == 1, log
-    assert r1["restart"] == 1 and r1["preloaded"] == ["acco_ds", "deepspeed", "torch", "torchft"]
-    assert not {"torch", "deepspeed", "torchft"} & set(r0["preloaded"]), "a rank started fresh imports them itself"
-    assert r1["syncs_at_join"] > dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
-    assert r0["acco_syncs"] == r1["acco_syncs"] and torch.equal(r0["final"], r1["final"])
-    # No period reached its 1000 steps: replica 0 synced once before the end, to take the relaunch in.
-    assert r0["stats"]["join"] == "early" and r0["stats"]["early_syncs"] == 1 and r0["global_steps"] < 1000
-    assert r0["syncs_at_join"] == 0 and r1["syncs_at_join"] == 1, r0["syncs"]
+    assert "was killed by SIGKILL" in log and log.count("imported torch, deepspeed, acco_ds, torchft") == 1, log
+    for rank in range(2):
+        r0, r1 = fleet.result("r0", rank), fleet.result("r1", rank)
+        assert r1["restart"] == 1 and r1["preloaded"] == ["acco_ds", "deepspeed", "torch", "torchft"]
+        assert not {"torch", "deepspeed", "torchft"} & set(r0["preloaded"]), "a fresh rank imports them itself"
+        assert r1["syncs_at_join"] > dead_at and r1["stats"]["heals"] == 1 and r1["steps_at_join"] > 0
+        assert r0["acco_syncs"] == r1["acco_syncs"] and torch.equal(r0["final"], r1["final"])
+        # No period reached its 1000 steps: replica 0 synced once before the end, to take the relaunch in.
+        assert r0["stats"]["join"] == "early" and r0["stats"]["early_syncs"] == 1 and r0["global_steps"] < 1000
+        assert r0["syncs_at_join"] == 0 and r1["syncs_at_join"] == 1, r0["syncs"]
+    steps = [[s["global_steps"] for s in fleet.result("r0", rank)["syncs"]] for rank in range(2)]
+    assert len(steps[0]) == 1 and steps[0] == steps[1], "both ranks of replica 0 ended the period at one step"
 
 
 @pytest.mark.slow
