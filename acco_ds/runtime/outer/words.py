@@ -61,7 +61,8 @@ def fault_tolerance_words(s: dict) -> str:
     return (f"replica {s['replica_id']}: {s['quorums']} quorums, {who}, {s['syncs_discarded']} syncs discarded, "
             f"{s['heals']} heals ({s['heal_bytes'] / 2**20:.2f} MiB, {s['heal_s']:.2f} s), "
             f"{s['quorum_wait_s']:.2f} s waiting for quorums, "
-            + (f"{s['early_syncs']} periods ended early for a joiner" if s["join"] == "early" else
+            + (f"{s['early_syncs']} period{'' if s['early_syncs'] == 1 else 's'} ended early for a joiner"
+               if s["join"] == "early" else
                "joiners wait for the next sync"))
 
 
