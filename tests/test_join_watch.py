@@ -74,6 +74,9 @@ def test_the_watch_sees_a_joiner_waiting_and_nothing_in_steady_state(lighthouse)
         assert s.members == {"a:1", "b:2"} and s.waiting == 0 and not s.joiner_waiting
         time.sleep(0.3)
         assert not watch.seen, "after the quorum nobody waits"
+        # Nobody heartbeats any more: past the lighthouse's 3 s heartbeat timeout both are listed as old.
+        wait_for(lambda: not status(lighthouse).alive, "the heartbeats to age", timeout=6)
+        assert status(lighthouse).members == {"a:1", "b:2"}
     finally:
         watch.close()
 

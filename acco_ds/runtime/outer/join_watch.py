@@ -4,7 +4,7 @@ A new or relaunched replica can only heal at a quorum, and the live replicas mee
 their syncs, so without help it waits up to a whole period. Rank 0 of each live replica therefore reads the
 lighthouse's status page every ``join_poll_s`` on a thread of its own. When some replica is waiting for a
 quorum and a replica outside the last quorum is alive, a joiner is waiting: the loop then ends its period
-at its next inner step (every rank of the replica takes the same decision, ``JoinsAndHeals.end_period_now``),
+at its next inner step (every rank of the replica takes rank 0's answer, ``JoinsAndHeals.joiner_waiting``),
 and the sync that follows heals the joiner.
 
 Why this condition:
