@@ -259,7 +259,7 @@ class JoinsAndHeals:
             return
         while not self.join_sync():
             pass
-        if self.joins_early and self.fault_tolerance.join == "early":
+        if self.early_join:
             self.transport.watch_joiners()
         if self.transport.participants == 1 and not self.healed and tdist.get_rank() == 0:
             # Alone with nothing to heal from: torchft cannot tell a new job from one whose replicas are all gone.
@@ -268,11 +268,16 @@ class JoinsAndHeals:
                   f"replicas of this run trained before and are all gone, their global model is not here: load a "
                   f"checkpoint (save_checkpoint per replica) or keep min_replicas above 1", flush=True)
 
+    @property
+    def early_join(self) -> bool:
+        """``fault_tolerance.join: "early"`` applies to this loop."""
+        return self.fault_tolerance is not None and self.joins_early and self.fault_tolerance.join == "early"
+
     def joiner_waiting(self) -> bool:
         """``join: "early"``: has rank 0's watch seen a replica waiting to join? Every rank of the replica
         takes rank 0's answer (one small all-reduce per inner step when the replica has several ranks), so
         they all end the period at the same inner step."""
-        if self.fault_tolerance is None or not self.joins_early or self.fault_tolerance.join != "early":
+        if not self.early_join:
             return False
         watch = self.transport.watch
         seen = 1.0 if watch is not None and watch.seen else 0.0
