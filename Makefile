@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 
 # The documentation site into site/: the config reference regenerated from the pydantic models first.
 docs: $(STAMP)
-	$(BIN)/python -m acco_ds.config_doc
+	$(BIN)/python -m acco_ds.config.reference
 	$(BIN)/mkdocs build --strict
 
 bench-kernels: $(STAMP)

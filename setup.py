@@ -135,8 +135,8 @@ setup(
     install_requires=["deepspeed>=0.19,<0.20", "pydantic>=2", "ninja", "hjson", "tqdm"],
     # acco.fault_tolerance (replicas that come and go) runs on torchft; pip install "acco_ds[ft]"
     extras_require={"ft": ["torchft>=0.2,<0.3"]},
-    entry_points={"console_scripts": ["acco-ds-run=acco_ds.run:main", "acco-ds=acco_ds.report:main",
-                                  "acco-ds-warm=acco_ds.warm:main"]},
+    entry_points={"console_scripts": ["acco-ds-run=acco_ds.cli.run:main", "acco-ds=acco_ds.cli.report:main",
+                                      "acco-ds-warm=acco_ds.cli.warm:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

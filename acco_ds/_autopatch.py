@@ -11,7 +11,7 @@ config has ``"acco": {"enabled": true}``, and stock DeepSpeed otherwise.
 
 Opt out with ``ACCO_DS_AUTOPATCH=0`` (also ``false``/``no``/``off``) in the
 environment: checked at start-up and again when deepspeed is imported.
-``acco_ds.patch()``/``unpatch()`` and ``python -m acco_ds.run`` keep working
+``acco_ds.patch()``/``unpatch()`` and ``python -m acco_ds.cli.run`` keep working
 (``patch()`` is idempotent, so the hook never wraps twice).
 
 The hook is silent; if ``patch()`` fails it warns once (RuntimeWarning) and
@@ -49,7 +49,7 @@ def _fire() -> None:
     _state["skipped"] = None
     try:
         import acco_ds
-        acco_ds.patch()  # idempotent: no double wrap after an explicit patch() or acco_ds.run
+        acco_ds.patch()  # idempotent: no double wrap after an explicit patch() or acco_ds.cli.run
     except Exception as err:  # noqa: BLE001 - never break the user's `import deepspeed`
         _state["error"] = f"{type(err).__name__}: {err}"
         import warnings

@@ -1,7 +1,7 @@
 """Start without torch._dynamo until something compiles.
 
-Importing ``torch._dynamo`` costs about 2.4 s of CPU per process (BENCHMARKS.md, "Where a relaunched replica's
-time goes"): on every rank of every launch, and on the path of a relaunched replica back into the quorum. Two
+Importing ``torch._dynamo`` costs about 2.4 s of CPU per process (``python -X importtime``,
+2026-11-26): on every rank of every launch, and on the path of a relaunched replica back into the quorum. Two
 things import it although nothing is being compiled:
 
 - the methods of ``torch.optim.Optimizer`` that torch decorates with ``torch._disable_dynamo``

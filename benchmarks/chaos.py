@@ -1,5 +1,5 @@
 """Chaos benchmark (issue 41, item 5): replicas killed on a seeded schedule, fault-tolerant diloco (torchft)
-against today's single-launch diloco restarted from its last checkpoint.
+against single-launch diloco restarted from its last checkpoint.
 
     python benchmarks/chaos.py                      # every run, about 17 minutes on 2 cores
     python benchmarks/chaos.py --only ft_free,ft_chaos --syncs 12
@@ -10,7 +10,7 @@ syncs. The same failure schedule (seeded: at the global model's sync k, plus a f
 victim comes back ``--down_s`` later) hits both arms:
 
 * ``ft``: a torchft lighthouse and one ``deepspeed --num_gpus 1`` launch per replica (``--launcher``: or
-  the rank alone, or ``acco_ds.warm``, which forks the rank from a parent that imported everything once and
+  the rank alone, or ``acco_ds.cli.warm``, which forks the rank from a parent that imported everything once and
   forks it again after a kill; ``acco.fault_tolerance``, merge "tokens", min_replicas 1). A kill is a SIGKILL
   of the victim launch's process group; the relaunch has the same REPLICA_GROUP_ID and heals from a live one.
 * ``plain``: one ``deepspeed --num_gpus 3`` launch, ``"local_sgd": {"replica_group_size": 1}``, a checkpoint
@@ -148,7 +148,7 @@ class Run:
 
     def kill(self, victim):
         """SIGKILL: the victim launch's process group (ft), or the victim rank, then its whole launch (plain), or
-        the victim rank alone (``--launcher warm``: its acco_ds.warm parent forks it again); returns the launch to
+        the victim rank alone (``--launcher warm``: its acco_ds.cli.warm parent forks it again); returns the launch to
         relaunch."""
         if not self.ft:
             since = self.t0 + max(e["t"] for e in self.events if e["event"] == "launch")
@@ -158,7 +158,7 @@ class Run:
             except (IndexError, ProcessLookupError):
                 pass
         key = victim if self.ft else 0
-        if self.warm:  # the rank dies; its launcher (acco_ds.warm) forks it again --down_s later
+        if self.warm:  # the rank dies; its launcher (acco_ds.cli.warm) forks it again --down_s later
             import psutil
             for child in psutil.Process(self.launches[key].procs[0].pid).children():
                 try:
@@ -178,7 +178,7 @@ class Run:
             now = time.time()
             for due, r in [p for p in pending if p[0] <= now]:
                 pending.remove((due, r))
-                if self.warm:  # acco_ds.warm restarts the rank itself: note when it is due
+                if self.warm:  # acco_ds.cli.warm restarts the rank itself: note when it is due
                     self.events.append({"event": "launch", "t": due - self.t0, "replica": r, "launch": None})
                 elif not self.ft or any(rs.poll()[0] is None for rs in self.launches.values()):
                     self.launch(r)

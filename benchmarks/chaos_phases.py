@@ -18,7 +18,7 @@ into its ``start`` and ``stepped`` lines (``chaos.py`` notes the moment it start
 ``launcher``: how ``chaos.py --launcher`` starts a replica's ranks: ``deepspeed`` (the runner, which starts
 DeepSpeed's launch.py, which starts the ranks: two more processes that each import all of DeepSpeed), or
 ``direct`` (a one-rank replica's rank itself, with the environment a launcher would give it), or ``warm``
-(``acco_ds.warm``: a parent that imported torch, DeepSpeed, acco_ds and torchft once forks the rank, and forks it
+(``acco_ds.cli.warm``: a parent that imported torch, DeepSpeed, acco_ds and torchft once forks the rank, and forks it
 again ``--down_s`` after a kill; the kill hits the rank, not the parent. The relaunch's "launch" is then the
 moment the kill plus ``--down_s`` falls due, and ``launcher`` is how late the parent's fork came after it).
 
@@ -40,11 +40,11 @@ PHASES = ("launcher", "imports", "model, data", "engine", "join", "evaluation", 
 
 def launcher(kind, env, bin_dir, ranks, port, restart_delay_s=0.0):
     """(env, argv prefix) that start ``ranks`` ranks of the worker script that follows the prefix. ``warm``:
-    acco_ds.warm, which restarts a killed rank itself, ``restart_delay_s`` after the kill."""
+    acco_ds.cli.warm, which restarts a killed rank itself, ``restart_delay_s`` after the kill."""
     if kind == "deepspeed":
         return env, [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port)]
     if kind == "warm":
-        return env, [sys.executable, "-m", "acco_ds.warm", "--nproc_per_node", str(ranks), "--master_port", str(port),
+        return env, [sys.executable, "-m", "acco_ds.cli.warm", "--nproc_per_node", str(ranks), "--master_port", str(port),
                      "--restarts", "100", "--restart_delay_s", f"{restart_delay_s:g}"]
     if ranks != 1:
         raise ValueError(f"--launcher direct starts one rank, not {ranks}")

@@ -78,7 +78,7 @@ def started_at(pid) -> float:
 
 def process_times() -> dict:
     """This process's start and its launcher's (the oldest ancestor of this launch that is the ``deepspeed``
-    runner or its launch.py; this process when started directly or forked by acco_ds.warm), as wall-clock
+    runner or its launch.py; this process when started directly or forked by acco_ds.cli.warm), as wall-clock
     times."""
     me = psutil.Process()
     ancestors = [p for p in me.parents() if p.create_time() > me.create_time() - 120]  # this launch's own

@@ -7,7 +7,7 @@ The "unlimited" rows use plain loopback, no namespaces. The namespaces are
 always removed (errors, Ctrl-C, SIGTERM; ``--cleanup`` removes the leftovers
 of a run that was killed with SIGKILL).
 
-    python benchmarks/cluster.py all          # everything below, the BENCHMARKS.md tables
+    python benchmarks/cluster.py all          # everything below, the docs/benchmarks/ tables
     python benchmarks/cluster.py netcheck     # measure what the tbf link really carries
     python benchmarks/cluster.py throughput   # bandwidth x mode table
     python benchmarks/cluster.py hetero       # one rank slowed x1.5 and x2
@@ -229,7 +229,7 @@ def cmd_one(h):
 
 
 def estimate_s(args, parts):
-    """Rough duration on the machine of BENCHMARKS.md (2 cores), for the printed estimate."""
+    """Rough duration on the machine of docs/benchmarks/ (2 cores), for the printed estimate."""
     n = 0.84e6
 
     def run_s(bw, mode, steps, factor=1.0):

@@ -71,7 +71,7 @@ LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks pe
 TWONODE_MICRO_BS, TWONODE_GAS = 4, 2
 BANDWIDTHS = ["unlimited", "1gbit", "200mbit", "50mbit"]
 GAS, MICRO_BS, BLOCK = 4, 8, 128  # configs/acco_cpu.json: 4 micro-batches of 8 x 128 tokens per rank per step
-# Duration model for the printed estimate (measured on the 2-core AMD EPYC of BENCHMARKS.md).
+# Duration model for the printed estimate (measured on the 2-core AMD EPYC of docs/benchmarks/).
 RUN_OVERHEAD_S = 9.0  # interpreter + DeepSpeed start-up + first evaluation, per run
 COMPUTE_STEP_S = 0.40  # 4 micro-batches on one core
 

@@ -309,7 +309,8 @@ def train(mode, data):
         est = acco_ds.estimate_memory(model, gpus=1, dtype=DTYPE, mode=mode, verbose=False)
         run["estimate"] = {k: v for k, v in est.items() if k.endswith("bytes")}
         with contextlib.suppress(Exception):  # the buffers alone (extra_bytes is net of stock's gradients)
-            from acco_ds.memory import acco_buffer_bytes, padded_numel
+            from acco_ds.memory import acco_buffer_bytes
+            from acco_ds.runtime.rounds.buffers import padded_numel
             run["estimate"]["buffer_bytes"] = acco_buffer_bytes(padded_numel(est["params"], 1), 1, DTYPE,
                                                                 mode=mode)
     def drain():  # a read of the committed weights waits for ACCO's in-flight communication

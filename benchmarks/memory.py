@@ -250,7 +250,8 @@ def main():
         return local_sgd_workload(args) if args.local else states_workload(args)
     import torch
 
-    from acco_ds.memory import acco_buffer_bytes, padded_numel
+    from acco_ds.memory import acco_buffer_bytes
+    from acco_ds.runtime.rounds.buffers import padded_numel
     sys.path.insert(0, str(ROOT / "examples"))
     from train_gpt import GPT
     n = sum(p.numel() for p in GPT(args.n_layer, 8, args.n_embd, 128).parameters())

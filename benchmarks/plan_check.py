@@ -8,8 +8,8 @@ core per node, a veth pair with a ``tbf`` limit between them), the 0.84M GPT, mi
 micro-batches per rank per step (4,096 tokens per step), fp32, gloo. At each link:
 1. ``python -m acco_ds.plan --measure`` runs on the 4 ranks in the namespaces: it times the model's forward and
    backward (2 micro-batches, the 4 ranks at once, as training runs them) and all-reduces of growing size on the
-   rails between the nodes and inside each node, and fits bandwidth and latency (``acco_ds.plan_measure``);
-2. the plan's model (``acco_ds.plan_model.evaluate``) predicts each mode's seconds per step from those figures;
+   rails between the nodes and inside each node, and fits bandwidth and latency (``acco_ds.plan.measure``);
+2. the plan's model (``acco_ds.plan.model.evaluate``) predicts each mode's seconds per step from those figures;
 3. each mode trains ``--steps`` steps (``benchmarks/train_worker.py``, the rows of ``cluster_runs.MODES``) and its
    measured seconds per step (after ``--warmup`` steps) is compared with the prediction.
 The recommended mode (least predicted step time x token factor, an exact mode winning ties within 5%) is
@@ -69,7 +69,7 @@ def measure(net, port, out_json, timeout):
 
 def predict(measured: dict) -> dict:
     """Seconds per step of each checked mode, from the measured compute and links."""
-    from acco_ds import plan_model as pm
+    from acco_ds.plan import model as pm
     inp = pm.Inputs(params=measured["params"], tokens_per_step=MICRO_BS * BLOCK * GAS * 4, nodes=N_LAYOUT[0],
                     ranks_per_node=N_LAYOUT[1], dtype="fp32", compute_s=measured["compute_s"],
                     inter_bps=measured["inter_bps"], inter_latency_s=measured["inter_latency_s"],

@@ -412,7 +412,7 @@ def fmt3(s, digits=1):
 
 
 def estimate_s(args):
-    """Rough duration on a quiet 2-core machine (BENCHMARKS.md's), for the printed estimate."""
+    """Rough duration on a quiet 2-core machine (docs/benchmarks/'s), for the printed estimate."""
     if args.command == "hosts":
         per_run = {"DeepSpeed": 12.0, "torch": 6.0}  # start-up + the evaluations
         return args.repeats * sum(per_run[host] + args.steps * 0.36 for host in HOSTS for _ in args.modes)

@@ -33,7 +33,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "idle.py"
         script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(5)\n")
-        launch = subprocess.Popen([sys.executable, "-m", "acco_ds.warm", str(script)], stdout=subprocess.PIPE,
+        launch = subprocess.Popen([sys.executable, "-m", "acco_ds.cli.warm", str(script)], stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True, env=env)
         assert launch.stdout.readline().strip() == "ready"
         time.sleep(1)

@@ -58,7 +58,7 @@ def run_label(config):
     if not acco.get("enabled"):
         return "stock ZeRO-1"
     mode = acco.get("mode", "acco")
-    if mode in ("diloco", "co2", "edit", "sparseloco"):  # the local-SGD family: replicas synced every period
+    if mode in ("diloco", "co2", "edit", "sparseloco", "decoupled"):  # the local-SGD family: synced every period
         return mode + (" (A-EDiT)" if "sync_time_s" in acco.get("local_sgd", {}) else "") + \
             (" (fault-tolerant replica)" if "fault_tolerance" in acco else "")
     return mode + "/" + acco.get("accumulation", "fixed")

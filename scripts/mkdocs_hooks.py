@@ -1,16 +1,16 @@
 """MkDocs hooks (``hooks:`` in mkdocs.yml): files from outside docs/ shown in the site, never copied into it.
 
 - A docs page may include a Markdown file of the repository with a line of its own of the form
-  ``[any text](../BENCHMARKS.md) <!-- include -->``: on GitHub that line is a link to the file, in the site
-  it is replaced by the file's text (its leading ``# title`` dropped: the page has its own). So
-  BENCHMARKS.md, which other work appends to, and the README stay the one source of their text.
+  ``[any text](../README.md) <!-- include -->``: on GitHub that line is a link to the file, in the site
+  it is replaced by the file's text (its leading ``# title`` dropped: the page has its own). So the README
+  and examples/megatron/README.md stay the one source of their text.
 - Relative links (a page's own and an included file's) are written as on GitHub, from the file they are in,
   and rewritten for the site: links to a file under docs/
   (or to an included file: to the page that includes it) become links between pages, images under
   benchmarks/results/ stay images, links to any other file of the repository become its path in code
   (the site holds no source files).
-- Every PNG under benchmarks/results/ is added to the site at the same path, so the included pages' plots
-  (``benchmarks/results/cluster_race.png``) resolve from the docs root as they do from the repository root.
+- Every PNG under benchmarks/results/ is added to the site at the same path, so the plots of the README and
+  of docs/benchmarks/ (``benchmarks/results/cluster_race.png``) resolve in the site as they do on GitHub.
 """
 
 import posixpath

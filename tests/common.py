@@ -31,8 +31,85 @@ class DeepNet(nn.Module):
         return self.layers[-1](x)
 
 
+# Mixture of experts: one DeepSpeed MoE layer of 4 experts, top-1, expert parallelism 2, deterministic (no noise,
+# no random token selection, no dropped tokens); the loss adds the gate's load-balancing loss l_aux times L_AUX.
+MOE_EXPERTS, MOE_EP, L_AUX = 4, 2, 0.01
+
+
+class MoENet(nn.Module):
+    """``fc_in`` -> ``deepspeed.moe.layer.MoE`` -> tanh -> ``fc_out``; forward returns ``(output, l_aux)``."""
+
+    def __init__(self, ep_size: int = MOE_EP):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.fc_in = nn.Linear(7, 8)
+        self.moe = MoE(8, nn.Linear(8, 8), num_experts=MOE_EXPERTS, ep_size=ep_size, k=1, min_capacity=0,
+                       noisy_gate_policy=None, drop_tokens=False, use_rts=False)
+        self.fc_out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h, l_aux, _ = self.moe(self.fc_in(x))
+        return self.fc_out(torch.tanh(h)), l_aux
+
+
+class DenseMoENet(nn.Module):
+    """``MoENet`` in one process with every expert (the simulator's model): each token goes to its top-1
+    expert, times its gate probability, as DeepSpeed's dispatch and combine compute it; l_aux as DeepSpeed's
+    top-1 gate. Parameter names are the canonical names of ``moe_canonical``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in = nn.Linear(7, 8)
+        self.gate = nn.Linear(8, MOE_EXPERTS, bias=False)
+        self.expert = nn.ModuleList([nn.Linear(8, 8) for _ in range(MOE_EXPERTS)])
+        self.fc_out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.fc_in(x)
+        gates = torch.softmax(torch.nn.functional.linear(h.float(), self.gate.weight.float()), dim=1)
+        mask = torch.nn.functional.one_hot(torch.argmax(gates, dim=1), num_classes=MOE_EXPERTS)
+        weights = (gates * mask).to(h.dtype)
+        out = sum(weights[:, e:e + 1] * self.expert[e](h) for e in range(MOE_EXPERTS))
+        l_aux = torch.sum(gates.mean(0) * mask.float().mean(0)) * MOE_EXPERTS
+        return self.fc_out(torch.tanh(out)), l_aux
+
+
+def moe_canonical_names(module, ep_rank: int):
+    """Canonical names (those of ``DenseMoENet``) of ``module.parameters()`` of a ``MoENet`` on a rank at
+    position ``ep_rank`` of its expert-parallel group (its local expert i is global expert ep_rank * 2 + i)."""
+    local = module.moe.num_local_experts
+    names = []
+    for name, _ in module.named_parameters():
+        if ".deepspeed_experts." in name:
+            i, what = name.split(".deepspeed_experts.")[1].split(".")
+            names.append(f"expert.{ep_rank * local + int(i)}.{what}")
+        elif ".gate." in name:
+            names.append("gate.weight")
+        else:
+            names.append(name)
+    return names
+
+
+def moe_init(module, names) -> None:
+    """Set every parameter from its canonical name (the same values in every process and model)."""
+    with torch.no_grad():
+        for name, p in zip(names, module.parameters()):
+            g = torch.Generator().manual_seed(sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
 def make_model(seed: int = 0, kind: str = "tiny") -> nn.Module:
     torch.manual_seed(seed)
+    if kind in ("moe", "moe_ep1"):  # a rank of the MoE model (DeepSpeed's layout: ep position = rank mod ep_size)
+        import torch.distributed as tdist
+        ep = MOE_EP if kind == "moe" else 1
+        model = MoENet(ep)
+        moe_init(model, moe_canonical_names(model, tdist.get_rank() % ep))
+        return model
+    if kind == "dense_moe":
+        model = DenseMoENet()
+        moe_init(model, [n for n, _ in model.named_parameters()])
+        return model
     return DeepNet() if kind == "deep" else TinyNet()
 
 
@@ -57,6 +134,9 @@ def loss_fn(model, batch):
     x, y = batch
     dtype = next(model.parameters()).dtype
     out = model(x.to(dtype))
+    if isinstance(out, tuple):  # a mixture of experts: the user adds the load-balancing loss, as in DeepSpeed
+        out, l_aux = out
+        return ((out.float() - y)**2).mean() + L_AUX * l_aux
     return ((out.float() - y)**2).mean()
 
 
@@ -100,6 +180,10 @@ def reference_optimizer(name, groups=False):
 
     def build(module):
         params = param_groups(module) if groups else module.parameters()
+        if any(getattr(p, "allreduce", True) is False for p in module.parameters()):
+            # DeepSpeed's MoE layers: a client optimizer keeps expert parameters in param groups of their own
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+            params = split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "dense"})
         if name == "AdamW":
             return torch.optim.AdamW(params, lr=ADAM["lr"], betas=ADAM["betas"], eps=ADAM["eps"],
                                      weight_decay=ADAM["weight_decay"])

@@ -46,7 +46,7 @@ class Fleet:
     def start(self, name: str, spec: dict, ranks: int = 1, replica_id=None, env=None, torchrun: bool = False,
               warm: list = None):
         """Launch replica ``name``: ``ranks`` processes running the worker on ``spec``, started here, or by
-        ``torchrun``, or by ``acco_ds.warm`` with the options ``warm`` (one process group, killed as a whole)."""
+        ``torchrun``, or by ``acco_ds.cli.warm`` with the options ``warm`` (one process group, killed as a whole)."""
         spec_path = self.workdir / f"{name}.json"
         spec_path.write_text(json.dumps(spec))
         port = free_port()
@@ -59,7 +59,7 @@ class Fleet:
         procs = []
         if torchrun or warm is not None:
             log = open(self.workdir / f"{name}.rank0.log", "w")
-            launcher = [TORCHRUN] if torchrun else [sys.executable, "-m", "acco_ds.warm"] + list(warm)
+            launcher = [TORCHRUN] if torchrun else [sys.executable, "-m", "acco_ds.cli.warm"] + list(warm)
             procs.append(subprocess.Popen(launcher + ["--nproc_per_node", str(ranks), "--master_port", str(port),
                                                       str(self.worker), str(spec_path), str(self.workdir), name],
                                           env=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

@@ -5,7 +5,7 @@
 ``<name>.rank<r>.pt``.
 
 Fault injection: ``die_at_micro`` (SIGKILL of every rank of this replica before that micro-batch, i.e.
-mid-period; only in a first start: a launcher that restarts the rank, ``acco_ds.warm``, says which start it is
+mid-period; only in a first start: a launcher that restarts the rank, ``acco_ds.cli.warm``, says which start it is
 in ``TORCHELASTIC_RESTART_COUNT``). ``<name>.rank<r>.pt`` also says which modules were imported before this
 script's own imports (``preloaded``: what a warm launcher had imported) and this process's id. The test
 steers a running replica through ``<workdir>/control.json``: ``{"die": {name: n}}`` kills this replica in the sync it runs once it has ``n`` syncs, after the quorum formed (the others are

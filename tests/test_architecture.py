@@ -1,11 +1,30 @@
-"""The package's shape, checked: no import circle, no module over 350 lines, no class over 250, the runtime's
-parts in folders of their own (at most two modules loose in ``runtime/``), and each outer loop's rule in its
-own module (no EDiT or CO2 branch elsewhere)."""
+"""The package's shape, checked: its rooms (at most four modules loose at the top of ``acco_ds/``), layers that
+import only downwards (``testing`` imported by no production module), no import circle, no module over 350 lines,
+no class over 250, the runtime's parts in folders of their own (at most two modules loose in ``runtime/``), each
+outer loop's rule in its own module (no EDiT or CO2 branch elsewhere), and tests that import the package and
+their own helpers, never a benchmark."""
 
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "acco_ds"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "acco_ds"
+
+ROOMS = {"config", "cli", "plan", "memory", "runtime", "deepspeed", "torch", "algorithms", "ops", "testing"}
+LOOSE = {"__init__", "_autopatch", "_lazy_dynamo", "safe_load"}  # at most four, the package's face among them
+
+# Bottom-up: a module imports its own room and the layers below, never a layer above nor another room of its own
+# layer. The bottom: kernels, pure schedules and the start-up plumbing (torch._dynamo deferred, safe loads).
+LAYERS = (
+    {"ops", "algorithms", "_lazy_dynamo", "safe_load"},
+    {"config"},  # the "acco" block and its rules: no host, no runtime
+    {"runtime"},  # buffers, communication, updates, outer loops: no host
+    {"deepspeed", "torch", "memory"},  # the hosts, and the estimator of what the runtime allocates
+    {"plan", "__init__"},  # the planner, and the package's face (initialize, patch, estimate_memory)
+    {"_autopatch"},  # the start-up hook (acco_ds_autopatch.pth): patches through the face
+    {"cli"},  # the commands: acco-ds (report, memory, plan), acco-ds-run, acco-ds-warm
+    {"testing"},  # the simulator (the tests' oracle) may read anything; no production module imports it
+)
 
 
 def _modules():
@@ -67,6 +86,64 @@ def _cycles(edges):
         if v not in index:
             visit(v)
     return out
+
+
+def _room(module: str) -> str:
+    """``acco_ds.runtime.rounds.job`` -> ``runtime``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(room: str) -> int:
+    return next(i for i, rooms in enumerate(LAYERS) if room in rooms)
+
+
+def _upward(edges) -> list:
+    """Imports that go up a layer, or sideways into another room of the same layer."""
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if _room(a) != _room(b) and _layer(_room(b)) >= _layer(_room(a)))
+
+
+def test_the_package_draws_its_rooms():
+    loose = {p.stem for p in PACKAGE.glob("*.py")}
+    assert len(loose) <= 4 and loose <= LOOSE, sorted(loose)
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == ROOMS, sorted(rooms ^ ROOMS)
+    assert {room for layer in LAYERS for room in layer} == ROOMS | LOOSE
+
+
+def test_layers_import_only_downwards():
+    """Lazy imports inside functions count: a host-free layer stays host-free on every path."""
+    edges = _imports(_modules())
+    assert sorted({_room(m) for m in edges} - ROOMS - LOOSE) == []  # every module has its layer
+    assert "acco_ds.config" in edges["acco_ds.runtime.outer.base"]  # the scan sees a lazy import
+    assert _upward({"acco_ds.config.acco": {"acco_ds.deepspeed.compat"}, "acco_ds.deepspeed.engine":
+                    {"acco_ds.torch", "acco_ds.config"}}) == [  # it would catch an upward and a sideways edge
+        "acco_ds.config.acco -> acco_ds.deepspeed.compat", "acco_ds.deepspeed.engine -> acco_ds.torch"]
+    assert _upward(edges) == []
+    assert [f"{a} -> {b}" for a, targets in sorted(edges.items()) for b in sorted(targets)
+            if _room(b) == "testing" and _room(a) != "testing"] == []
+
+
+def _test_imports(path) -> set:
+    """The top-level names a test file imports (lazy ones included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+    return names
+
+
+def test_tests_import_no_benchmark():
+    """Tests import the package and their own helpers; a benchmark's module (benchmarks/*.py) is no helper."""
+    benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | {"benchmarks"}
+    own = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    assert "harness" in benchmarks and "common" in own  # the scan sees both sides
+    offenders = {str(path.relative_to(ROOT)): sorted(found) for path in sorted((ROOT / "tests").rglob("*.py"))
+                 if (found := (_test_imports(path) - own) & benchmarks)}
+    assert offenders == {}
 
 
 def test_no_import_circle():

@@ -14,11 +14,11 @@ from acco_ds.deepspeed import compat
 from acco_ds.deepspeed.compat import DeepSpeedIncompatible, check_deepspeed, check_instance
 
 PACKAGE = Path(compat.__file__).resolve().parents[1]
-GLUE = sorted((PACKAGE / "deepspeed").glob("*.py")) + [PACKAGE / "config.py", PACKAGE / "config_local.py"]
+GLUE = sorted((PACKAGE / "deepspeed").glob("*.py")) + sorted((PACKAGE / "config").glob("*.py"))
 # Attributes of DeepSpeed classes that are torch's (nn.Module, torch.optim) or plain Python, not DeepSpeed's.
 NOT_DEEPSPEED = {"train", "eval", "compile", "type", "register_state_dict_pre_hook",
                  "register_state_dict_post_hook", "state_dict", "load_state_dict", "step", "device", "world_size",
-                 "buffers", "parameters"}
+                 "buffers", "parameters", "modules"}
 
 
 def test_every_listed_internal_resolves_on_the_installed_deepspeed():

@@ -151,13 +151,13 @@ def test_initialize_rejects_before_building_anything():
 
 def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anything():
     """Pipeline stages > 1 train (tests/test_pipeline.py), but adaptive accumulation across stages, sequence
-    parallelism (DeepSpeed's key or an mpu's) and MoE are refused by name before DeepSpeed builds anything (a
-    real 2-stage module needs 2 ranks: its stage count is set)."""
+    parallelism (DeepSpeed's key or an mpu's) and MoE in the modes that do not support it yet are refused by
+    name before DeepSpeed builds anything (a real 2-stage module needs 2 ranks: its stage count is set)."""
     import types
 
     from deepspeed.pipe import PipelineModule
 
-    from acco_ds.config import check_before_initialize
+    from acco_ds.deepspeed.initialize import check_before_initialize
     pipe = PipelineModule.__new__(PipelineModule)
     torch.nn.Module.__init__(pipe)
     pipe.num_stages = 2
@@ -174,6 +174,11 @@ def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anythi
     mpu = types.SimpleNamespace(get_sequence_parallel_world_size=lambda: 4, get_model_parallel_world_size=lambda: 1)
     with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 4\)"):
         check_before_initialize(common.make_model(), mpu, {}, acco)
+    from acco_ds.config import check_model  # MoE (tests/test_moe.py trains it): these modes, the rest by name
+    for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit"):
+        check_model(parse_acco_config({"acco": {"enabled": True, "mode": mode}}), {}, moe=True)
+    with pytest.raises(ValueError, match='acco.mode="sparseloco" does not support MoE layers'):
+        check_model(parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}}), {}, moe=True)
 
 
 def test_config_from_args_deepspeed_config(tmp_path):
@@ -208,13 +213,16 @@ def _block_with(path: str, value) -> dict:
     parts = path.split(".")[1:]
     streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
     sparse = parts[-1] in ("chunk", "topk", "error_decay", "value_bits")
-    mode = ("diloco" if streaming else "sparseloco" if sparse else "edit") if parts[0] == "local_sgd" else \
-        "diloco" if parts[0] == "fault_tolerance" else "acco"
+    decoupled = parts[-1] in ("min_quorum", "nesterov_delay")
+    mode = ("diloco" if streaming else "sparseloco" if sparse else "decoupled" if decoupled else "edit") \
+        if parts[0] == "local_sgd" else "diloco" if parts[0] == "fault_tolerance" else "acco"
     block = {"enabled": True, "mode": mode}
     if parts[-1] == "fragments":
         block["local_sgd"] = {"sync_every": 16}  # a multiple of the values tried
     if parts[-1] == "chunk":
         block["local_sgd"] = {"topk": 1}  # at most the chunks tried
+    if parts[-1] == "nesterov_delay":
+        block["local_sgd"] = {"staleness": "delayed_nesterov"}  # Delayed Nesterov's N
     if parts == ["max_micro_batches_per_round"]:
         block["accumulation"] = "adaptive"
     if parts[0] == "compression":  # its keys need a dtype
@@ -301,7 +309,7 @@ def test_memory_plan_counts_compression():
 def test_the_lighthouse_is_an_http_url_with_a_host_and_a_port(address, problem, monkeypatch):
     """acco.fault_tolerance.lighthouse (and TORCHFT_LIGHTHOUSE, read when the replica starts) takes only
     http(s)://host:port: anything else is refused by name, with the fix."""
-    from acco_ds.config_ft import FaultToleranceConfig
+    from acco_ds.config import FaultToleranceConfig
     block = {"acco": {"enabled": True, "mode": "diloco", "fault_tolerance": {"lighthouse": address}}}
     with pytest.raises(ValueError) as err:
         parse_acco_config(block)

@@ -16,8 +16,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
                             check_deepspeed_config, parse_acco_config)
-from acco_ds.config_ft import FaultToleranceConfig
-from acco_ds.config_local import AnomalyConfig
+from acco_ds.config import FaultToleranceConfig
+from acco_ds.config import AnomalyConfig
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "acco_ds_hypothesis"))

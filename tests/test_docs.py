@@ -1,7 +1,7 @@
 """The front door and the manual: README.md, the MkDocs site under docs/, the generated config reference,
 and the commands they show.
 
-- The config reference (docs/reference/config.md) is what ``python -m acco_ds.config_doc`` generates from the
+- The config reference (docs/reference/config.md) is what ``python -m acco_ds.config.reference`` generates from the
   pydantic models, and every field of every model of the ``"acco"`` block has a description.
 - ``mkdocs build --strict`` passes: no broken link or anchor, no page left out of the navigation (a copy
   of the site with an orphan page and a broken link is refused, so the check can fail).
@@ -44,7 +44,7 @@ RUN_LAUNCH = {
 # Too long for the suite (or the suite itself): run by hand on the date given, with how.
 HAND_CHECKED = {
     "make test": "2026-11-26: CI runs it (.ci/run); `make -n test` checked the recipe (the whole suite is "
-                 "15 min on 2 cores, not rerun by hand for the docs)",
+                 "15 min on 2 cores: too long to run again by hand for the docs)",
     "make demo": "2026-11-26: `make -o .venv/.installed demo` (the install step skipped: it was done), exit 0, "
                  "60 steps, val loss 5.478 -> 3.000",
     "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 4 examples/train_gpt.py "
@@ -65,8 +65,8 @@ HAND_CHECKED = {
     "OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 4 examples/fsdp2_train_gpt.py "
     "--config configs/fsdp2_diloco_cpu.json --fsdp --steps 16": "2026-11-26: exit 0, val loss 5.478 -> 3.317, 2 syncs",
 }
-# Commands of features on other branches (acco-ds plan: issue 47; sparseloco: issue 46). At the merge, the
-# lead runs each and moves it to RUN (quick) or HAND_CHECKED (with the date).
+# Commands of features on other branches, until their merge: then each is run and moved to RUN (quick) or
+# HAND_CHECKED (with the date).
 PENDING_MERGE = {}
 
 
@@ -98,27 +98,27 @@ def command_env() -> dict:
 
 
 def test_config_reference_is_current_and_every_field_is_described():
-    from acco_ds import config_doc
-    assert config_doc.undocumented() == [], "add a description (a docstring under the field) to these fields"
-    generated = config_doc.render()
-    assert config_doc.PAGE.read_text() == generated, (
-        f"{config_doc.PAGE} differs from what the models generate: run `{config_doc.COMMAND}`")
+    from acco_ds.config import reference
+    assert reference.undocumented() == [], "add a description (a docstring under the field) to these fields"
+    generated = reference.render()
+    assert reference.PAGE.read_text() == generated, (
+        f"{reference.PAGE} differs from what the models generate: run `{reference.COMMAND}`")
     # every key of every nested block is a row, with its type and default
     from acco_ds.config import ACCOConfig
     for key in ("enabled", "local_sgd.anomaly.threshold", "compression.apply_to", "fault_tolerance.merge",
                 "collectives.ranks_per_node", "emulation.slow_factor"):
         assert f"| `{key}` |" in generated, key
-    assert len([k for k, _, _ in config_doc.rows()]) > len(ACCOConfig.model_fields)
+    assert len([k for k, _, _ in reference.rows()]) > len(ACCOConfig.model_fields)
     assert '| `local_sgd.sync_every` | integer | `20` | ≥ 1 |' in generated
     assert '| `compression.dtype` | string or null | `null` | `"int8"`, `"fp8"` |' in generated
     # --check says what to do when the page is stale
-    out = subprocess.run([sys.executable, "-m", "acco_ds.config_doc", "--check"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "acco_ds.config.reference", "--check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
 
 def test_a_field_without_description_is_named():
-    from acco_ds import config_doc
+    from acco_ds.config import reference
 
     class Block(BaseModel):
         described: int = Field(1, description="Has one.")
@@ -127,7 +127,7 @@ def test_a_field_without_description_is_named():
     class Top(BaseModel):
         inner: Block = Field(default_factory=Block, description="A nested block.")
 
-    missing = [key for key, field, _ in config_doc.rows(Top) if not (field.description or "").strip()]
+    missing = [key for key, field, _ in reference.rows(Top) if not (field.description or "").strip()]
     assert missing == ["inner.bare"]
 
 
@@ -151,13 +151,13 @@ def test_mkdocs_build_strict(tmp_path):
     out = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert out.returncode == 0, f"mkdocs build --strict failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     site = tmp_path / "site"
-    bench = (site / "benchmarks.html").read_text()
-    # BENCHMARKS.md is included whole (its last section too), its plots are in the site
-    from pymdownx.slugs import slugify
-    for heading in re.findall(r"^##+ (.+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)[-3:]:
-        assert f'id="{slugify(case="lower")(re.sub(r"[`*]", "", heading), "-")}"' in bench, heading
+    # every page of the benchmarks and the design sections is built (strict: each is in the navigation),
+    # and the benchmark pages' plots are in the site
+    for section in ("benchmarks", "design"):
+        for page in (ROOT / "docs" / section).glob("*.md"):
+            assert (site / section / f"{page.stem}.html").is_file(), page
     assert (site / "benchmarks/results/cluster_race.png").stat().st_size > 10_000
-    assert 'src="benchmarks/results/cluster_twonode.png"' in bench
+    assert 'src="results/cluster_race.png"' in (site / "benchmarks/races.html").read_text()
     home = (site / "index.html").read_text()
     assert 'src="benchmarks/results/cluster_race.png"' in home and 'href="getting-started.html"' in home
     assert "| key |" not in (site / "reference/config.html").read_text()  # a rendered table, not text
@@ -167,7 +167,7 @@ def test_strict_build_refuses_an_orphan_page_and_a_broken_link(tmp_path):
     """The check can fail: a copy of the site with a page missing from the navigation and a dead link."""
     copy = tmp_path / "repo"
     copy.mkdir()
-    for name in ("mkdocs.yml", "README.md", "BENCHMARKS.md"):
+    for name in ("mkdocs.yml", "README.md"):
         shutil.copy2(ROOT / name, copy / name)
     for folder in ("docs", "scripts"):
         shutil.copytree(ROOT / folder, copy / folder)

@@ -11,7 +11,7 @@ import torch
 
 import common
 from acco_ds.config import ACCOConfig, host_problems, parse_acco_config
-from acco_ds.config_ft import FaultToleranceConfig
+from acco_ds.config import FaultToleranceConfig
 from acco_ds.testing.simulator import simulate_local_sgd
 from dist import free_port
 from ft import Fleet
@@ -195,7 +195,7 @@ def test_replicas_that_die_stop_nobody_and_a_relaunched_one_heals(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_replica_under_acco_ds_warm_restarts_forked_and_joins_early(tmp_path):
-    """Two replicas of two ranks. Replica 1 runs under ``acco_ds.warm`` (a parent that imported torch,
+    """Two replicas of two ranks. Replica 1 runs under ``acco_ds.cli.warm`` (a parent that imported torch,
     DeepSpeed, acco_ds and torchft once), and its ranks SIGKILL themselves mid-period. The launcher forks them
     again: each new rank is another process that found those modules imported. The period is 1000 steps, far
     beyond the test: both ranks of replica 0 end it at the same inner step for the joiner (``join: "early"``,
@@ -207,7 +207,7 @@ def test_a_replica_under_acco_ds_warm_restarts_forked_and_joins_early(tmp_path):
         fleet.start("r0", {"config": config, **slow}, ranks=2)
         fleet.start("r1", {"config": config, "die_at_micro": 9, **slow}, ranks=2,
                     warm=["--restarts", "1", "--restart_delay_s", "1"])
-        fleet.wait_for(lambda: "restart 1 of 1" in fleet.logs("r1"), 240, "acco_ds.warm to restart replica 1")
+        fleet.wait_for(lambda: "restart 1 of 1" in fleet.logs("r1"), 240, "acco_ds.cli.warm to restart replica 1")
         dead_at = fleet.syncs("r0")
         fleet.wait_for(lambda: fleet.progress("r1").get("restart") == 1, 240, "the restarted ranks to join")
         time.sleep(2.0)  # a few inner steps of both after the join

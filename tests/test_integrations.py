@@ -38,9 +38,9 @@ def ranks(out, n=2):
 
 
 def console_script(tmp_path):
-    """What ``pip install`` writes for ``acco-ds-run=acco_ds.run:main`` when it is not installed."""
+    """What ``pip install`` writes for ``acco-ds-run=acco_ds.cli.run:main`` when it is not installed."""
     path = tmp_path / "acco-ds-run"
-    path.write_text(f"#!{sys.executable}\nimport sys\nfrom acco_ds.run import main\nsys.exit(main())\n")
+    path.write_text(f"#!{sys.executable}\nimport sys\nfrom acco_ds.cli.run import main\nsys.exit(main())\n")
     path.chmod(0o755)
     return str(path)
 
@@ -99,7 +99,7 @@ def test_patched_initialize_picks_the_engine_from_the_config(tmp_path):
 
 
 def test_runner_moves_local_rank_after_the_script():
-    from acco_ds.run import split_argv
+    from acco_ds.cli.run import split_argv
     assert split_argv(["--local_rank=1", "train.py", "--lr", "1"]) == (["--local_rank=1"], "train.py", False,
                                                                        ["--lr", "1"])
     assert split_argv(["--local_rank", "0", "-m", "pkg.train", "x"]) == (["--local_rank=0"], "pkg.train", True, ["x"])
@@ -113,17 +113,17 @@ def test_runner_gives_an_unmodified_script_acco(launcher, tmp_path):
     args = [script, "--out", str(tmp_path), "--steps", "3"]
     port = str(free_port())
     if launcher == "deepspeed --module":
-        cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--module", "acco_ds.run"]
+        cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--module", "acco_ds.cli.run"]
     elif launcher == "deepspeed --no_python":
         runner = tool("acco-ds-run") or console_script(tmp_path)
         cmd = [tool("deepspeed"), "--num_gpus", "2", "--master_port", port, "--no_python", runner]
     elif launcher == "torchrun":
-        cmd = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", port, "-m", "acco_ds.run"]
+        cmd = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", port, "-m", "acco_ds.cli.run"]
     else:
         if tool("accelerate") is None:
             pytest.skip("accelerate not installed")
         cmd = [tool("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "-m", "acco_ds.run"]
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "-m", "acco_ds.cli.run"]
     run(cmd + args + ["--deepspeed_config", ds_config(tmp_path)])
     for r in ranks(tmp_path):
         assert r["engine"] == "ACCOEngine" and r["global_steps"] == 3
@@ -139,7 +139,7 @@ def test_runner_gives_an_unmodified_script_acco(launcher, tmp_path):
 def test_hugging_face_trainer_with_acco_block(tmp_path):
     pytest.importorskip("transformers")
     steps = 6
-    run([tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "acco_ds.run",
+    run([tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "acco_ds.cli.run",
          str(HERE / "hf_trainer.py"), str(tmp_path), str(steps)], timeout=180)
     r = ranks(tmp_path)[0]
     rows = r["first"]["rows"]
@@ -173,7 +173,7 @@ def test_accelerate_loop_with_deepspeed_plugin(tmp_path):
 
 
 def test_report():
-    proc = run([sys.executable, "-m", "acco_ds.report"], timeout=180)
+    proc = run([sys.executable, "-m", "acco_ds.cli.report"], timeout=180)
     out = proc.stdout
     import deepspeed
     import torch
@@ -187,7 +187,7 @@ def test_report():
     cpu_row = next(line.split() for line in out.splitlines() if line.strip().startswith("acco_cpu_ops"))
     assert f"engine kernels ..... {cpu_row[5]} " in out, out
     # `acco-ds report` form, and a usage error for anything else.
-    assert "acco_ds report" in run([sys.executable, "-c", "import sys; from acco_ds.report import main; "
+    assert "acco_ds report" in run([sys.executable, "-c", "import sys; from acco_ds.cli.report import main; "
                                     "sys.exit(main(['report']))"], timeout=180).stdout
 
 
@@ -195,7 +195,7 @@ def test_report_without_ops_says_so(tmp_path):
     """A build where acco_ds.ops lacks op_report/load_kernels: clear lines, no crash."""
     (tmp_path / "sitecustomize.py").write_text(
         "import sys, types\nsys.modules['acco_ds.ops'] = types.ModuleType('acco_ds.ops')\n")
-    proc = run([sys.executable, "-m", "acco_ds.report"], timeout=180,
+    proc = run([sys.executable, "-m", "acco_ds.cli.report"], timeout=180,
                env={"PYTHONPATH": str(tmp_path)})
     assert "acco_ds.ops has no op_report()" in proc.stdout, proc.stdout
     assert "engine kernels ..... unavailable (AttributeError" in proc.stdout, proc.stdout

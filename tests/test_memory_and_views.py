@@ -5,7 +5,8 @@ import torch
 
 import common
 from acco_ds.runtime.rounds.buffers import plan_bytes
-from acco_ds.memory import acco_buffer_bytes, estimate_memory, padded_numel
+from acco_ds.memory import acco_buffer_bytes, estimate_memory
+from acco_ds.runtime.rounds.buffers import padded_numel
 from dist import launch
 from test_engine import DRIFT_VS_STOCK, STEPS, W, assert_matches, deviation, reference
 import pytest

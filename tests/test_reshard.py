@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from acco_ds.memory import padded_numel
+from acco_ds.runtime.rounds.buffers import padded_numel
 from acco_ds.runtime.outer.co2 import CO2
 from acco_ds.runtime.outer.diloco import DiLoCo
 from acco_ds.runtime.outer.streaming import StreamingDiLoCo

@@ -221,7 +221,8 @@ def test_streaming_with_a_compressed_outer_all_reduce():
 def test_the_memory_estimate_counts_one_fragment_in_flight():
     """Streaming keeps diloco's sharded anchor and momentum (8N/k) and one fragment's δ (4N/(kF)), not a
     whole-model one (4N/k)."""
-    from acco_ds.memory import estimate_memory, padded_numel
+    from acco_ds.memory import estimate_memory
+    from acco_ds.runtime.rounds.buffers import padded_numel
     n, gpus, k = 10_000_000, 8, 4
     plain = estimate_memory(params=n, gpus=gpus, mode="diloco", replica_group_size=k, verbose=False)["acco_bytes"]
     local = padded_numel(n, k)

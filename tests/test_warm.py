@@ -1,4 +1,4 @@
-"""``acco_ds.warm``: ranks forked from a parent that imported torch (and the rest) once, restarted together
+"""``acco_ds.cli.warm``: ranks forked from a parent that imported torch (and the rest) once, restarted together
 when one fails; stopped, never orphaned, when the launcher is stopped or killed; bad arguments refused by name.
 (The fault-tolerant replica under it: tests/test_fault_tolerance.py.)"""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from acco_ds import warm
+from acco_ds.cli import warm
 from dist import free_port
 
 # Each rank appends what it saw to ``<out>/starts.jsonl``; rank 1 SIGKILLs itself in the first start
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent("""
 def launch(tmp_path, what, *options, preload="torch"):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    argv = [sys.executable, "-m", "acco_ds.warm", "--preload", preload, "--master_port", str(free_port()),
+    argv = [sys.executable, "-m", "acco_ds.cli.warm", "--preload", preload, "--master_port", str(free_port()),
             *options, str(script), str(tmp_path), what]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -134,7 +134,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
 def test_a_script_error_is_the_rank_failure_with_its_traceback(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text("raise ValueError('the script is broken')\n")
-    proc = subprocess.run([sys.executable, "-m", "acco_ds.warm", "--preload", "", str(script)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "acco_ds.cli.warm", "--preload", "", str(script)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1
     assert "ValueError: the script is broken" in proc.stderr and "rank 0 exited with code 1" in proc.stderr

@@ -32,6 +32,10 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("round_robin_bit16_padding", "the parameter-alignment padding (a flat group's length)"),
         ("partition_count", "ranks per group (a resharded checkpoint's own)"),
         ("round_robin_gradients", "flat groups ordered by world size cannot be resharded"),
+        ("has_moe_layers", "MoE: expert param groups are partitioned over their own groups"),
+        ("real_dp_process_group", "MoE: the group each param group is partitioned over (expert-data-parallel)"),
+        ("ep_process_group", "MoE: the expert-parallel groups by name (ep_size, saved and checked at load)"),
+        ("param_groups", "MoE: which param groups hold experts (moe, name)"),
     ),
     "DeepSpeedEngine (a checkpoint loaded)": (
         ("loaded_checkpoint_dp_world_size", "the data-parallel size the checkpoint was saved with"),
@@ -55,6 +59,9 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("global_rank", "rank-0 logging"),
         ("monitor", "monitor events per committed step"),
         ("steps_per_print", "the progress line's period"),
+        ("has_moe_layers", "MoE: expert groups inside a local-SGD replica"),
+        ("expert_parallel_group", "MoE: the expert-parallel groups (must lie inside a replica)"),
+        ("mp_world_size", "MoE: refused beside model parallelism"),
     ),
     "DeepSpeedConfig": (
         ("zero_optimization_stage", "ZeRO stage 1 is required"),

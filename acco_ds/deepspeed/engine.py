@@ -36,9 +36,10 @@ import torch.distributed as tdist
 
 from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.rounds.job import CommResult
+from ..runtime.comm import lifetime
 from ..runtime.comm.groups import every_group
 from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
-from . import checkpoint, reshard
+from . import checkpoint, moe, reshard
 from .compat import BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, check_instance, ds_engine, log_dist, logger
 from .compat import comm as dist
 from ..runtime.rounds.stats import banner, report_lines, round_stats
@@ -56,13 +57,14 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         if not acco.enabled:
             raise ValueError('ACCOEngine needs "acco": {"enabled": true} in the DeepSpeed config')
         if config_class is not None:
-            check_deepspeed_config(acco, config_class, client_optimizer=kwargs.get("optimizer") is not None)
-        # Set before Module.__init__ runs inside DeepSpeedEngine.__init__.
-        self.__dict__["acco_config"] = acco
-        self.__dict__["_acco_lr_kwargs"] = None
-        self.__dict__["_acco_applied"] = False
-        self.__dict__["_acco_eval_view"] = False
-        super().__init__(*args, **kwargs)
+            _check_config(acco, config_class, client_optimizer=kwargs.get("optimizer") is not None)
+        # Set before Module.__init__ runs inside DeepSpeedEngine.__init__. _acco_groups: the process groups ACCO
+        # creates for this engine, destroyed with it (or at interpreter exit).
+        self.__dict__.update(acco_config=acco, _acco_lr_kwargs=None, _acco_applied=False, _acco_eval_view=False,
+                             _acco_groups=[])
+        with lifetime.owned_by(self._acco_groups):
+            super().__init__(*args, **kwargs)
+        lifetime.end_at_exit(self, _close_at_exit)
         check_instance(self, "DeepSpeedEngine")
         if not isinstance(self.optimizer, ACCOZeroOptimizer):
             raise ValueError("ACCO needs an optimizer and ZeRO stage 1 (got optimizer "
@@ -71,8 +73,7 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         if self.optimizer.outer.replica_ranks is not None:
             self.save_zero_checkpoint = True  # every replica's ranks hold their own optimizer state
         self.optimizer.outer.attach(self.module)
-        zc = self._config.zero_config
-        if zc.overlap_comm:
+        if self._config.zero_config.overlap_comm:
             log_dist("ACCO: zero_optimization.overlap_comm is not used; ACCO overlaps communication with "
                      "whole rounds of compute", ranks=[0])
         opt = self.optimizer
@@ -87,17 +88,15 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
 
     # -------------------------------------------------------- construction
     def _configure_zero_optimizer(self, optimizer):
-        acco, groups = self.acco_config, None
+        acco = self.acco_config
         check_instance(self, "DeepSpeedEngine", ("seq_data_parallel_group", "communication_data_type"))
-        if needs_replicas(acco.mode):  # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas
-            # Every data-parallel group (one per tensor-parallel rank and pipeline stage) is cut into replicas
-            # alike, so a replica holds whole model-parallel groups.
-            dp_groups = every_group(self.seq_data_parallel_group)
-            groups = make_groups(dp_groups, replica_group_size(acco, len(dp_groups[0])), acco.timeout_s)
+        groups, experts = _replica_layout(self, acco)
 
         def build(*args, **kwargs):
             if groups is not None:
                 kwargs["dp_process_group"] = groups.replica_main
+            if experts is not None:
+                kwargs["expert_data_parallel_group"] = experts
             kwargs.setdefault("communication_data_type", self.communication_data_type)
             return ACCOZeroOptimizer(*args, acco_config=acco, replica_groups=groups, **kwargs)
 
@@ -295,6 +294,40 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
                 logger.warning(f"ACCO: could not commit the last step while destroying the engine: {err}")
             opt.comm.close()
         super().destroy()
+        lifetime.destroy(self._acco_groups)
+        lifetime.forget(self)
+
+
+def _check_config(acco, config_class, client_optimizer: bool):
+    check_instance(config_class, "DeepSpeedConfig")
+    check_instance(config_class.zero_config, "DeepSpeedZeroConfig")
+    check_deepspeed_config(acco, config_class, client_optimizer=client_optimizer)
+
+
+def _replica_layout(engine, acco):
+    """The local-SGD modes' replica groups (None in the round modes) and, for a model with MoE layers, each
+    expert group's expert-data-parallel group inside the replica (None: DeepSpeed's own groups)."""
+    moe.check_layout(engine)
+    if not needs_replicas(acco.mode):
+        return None, None
+    # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas. Every data-parallel group (one per
+    # tensor-parallel rank and pipeline stage) is cut into replicas alike, so a replica holds whole
+    # model-parallel groups.
+    dp_groups = every_group(engine.seq_data_parallel_group)
+    k = replica_group_size(acco, len(dp_groups[0]))
+    moe.check_replica(engine, k)  # before any group is made
+    groups = make_groups(dp_groups, k, acco.timeout_s)
+    experts = moe.replica_expert_groups(engine, dp_groups, k, acco.timeout_s) if moe.ep_sizes(engine) else None
+    return groups, experts
+
+
+def _close_at_exit(engine):
+    """At interpreter exit, for a script that did not call ``destroy()``: drain the work in flight, stop the
+    communication threads and destroy the engine's groups (no last sync: a peer may be gone)."""
+    opt = getattr(engine, "optimizer", None)
+    if isinstance(opt, ACCOZeroOptimizer):
+        opt.close_rounds()
+    lifetime.destroy(engine._acco_groups)
 
 
 def _replica_ranks(engine):

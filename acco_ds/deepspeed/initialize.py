@@ -48,10 +48,29 @@ def _acco_engine_class():
             deepspeed.DeepSpeedEngine, deepspeed.PipelineEngine = saved
 
 
+def check_before_initialize(model, mpu=None, ds_config=None, acco=None) -> None:
+    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds anything: the facts DeepSpeed's
+    classes tell (pipeline stages, MoE layers, the sequence-parallel size of the config or the ``mpu``),
+    judged by ``acco_ds.config.check_model``."""
+    import torch
+
+    from ..config import check_model
+    from .compat import PipelineModule, check_instance, has_moe_layers
+    ds_config = ds_config or {}
+    stages = 1
+    if isinstance(model, PipelineModule):
+        check_instance(model, "PipelineModule")
+        stages = model.num_stages
+    sp = max(int(ds_config.get("sequence_parallel_size", 1) or 1),
+             int(getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() or 1) if mpu is not None else 1)
+    check_model(acco, ds_config, pipeline_stages=stages, moe=isinstance(model, torch.nn.Module) and
+                has_moe_layers(model)[0], sequence_parallel=sp)
+
+
 def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
     """Call ``ds_initialize`` (the original ``deepspeed.initialize``), with the
     ACCO engine when the config enables it."""
-    from ..config import check_before_initialize, parse_acco_config  # lazy: the autopatch runs inside `import deepspeed`
+    from ..config import parse_acco_config  # lazy: the autopatch runs inside `import deepspeed`
     config = resolve_config(args, kwargs.get("config"), kwargs.get("config_params"))
     acco = parse_acco_config(config)
     if not acco.enabled:

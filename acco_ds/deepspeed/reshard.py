@@ -19,6 +19,7 @@ from .checkpoint import ACCO_STATE_KEY
 from .compat import (BASE_OPTIMIZER_STATE, GROUP_PADDINGS, OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS,
                      PARTITION_COUNT, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_FILE_TYPES,
                      check_instance, comm)
+from . import moe
 from .progress import _say
 
 _FIX = ("copy it back from where the checkpoint was written, or load an earlier tag (load_checkpoint(dir, "
@@ -47,6 +48,7 @@ def load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states, stock) ->
         old_k = ((_read(names[0], load_dir, tag).get(ACCO_STATE_KEY) or {}).get("outer") or {}).get("k", old_world)
     if old_world == engine.dp_world_size and old_k == opt.world_size:
         return stock(load_dir, tag, load_optimizer_states=load_optimizer_states)
+    moe.refuse_reshard(engine, (old_world, old_k), (engine.dp_world_size, opt.world_size), local)
     _reshard(engine, names, old_world, old_k, load_dir, tag)
     return True
 

@@ -26,7 +26,7 @@ import torch.distributed as tdist
 from ..config import ACCOConfig
 from ..runtime.rounds.driver import RoundDriver
 from ..runtime.rounds.job import CommResult
-from . import checkpoint
+from . import checkpoint, moe
 from .compat import PARAM_SLICE_MAPPINGS, DeepSpeedZeroOptimizer, check_instance, fused_adamw, logger
 from .loss_scale import account_loss_scale
 from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
@@ -59,13 +59,40 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
             replica_groups.model_side = side_group(self.model_parallel_group, acco_config.timeout_s)
             tp = getattr(self.mpu, "get_tensor_model_parallel_world_size", None)  # a pipeline grid's slice
             replica_groups.tensor_parallel = int(tp()) if tp is not None else self.model_parallel_world_size
+        expert_groups = self._expert_groups(acco_config.timeout_s)
         self.setup_rounds(flats=self.bit16_groups_flat, masters=self.single_partition_of_fp32_groups,
                           optimizer=self.optimizer, params=params, group=group, side=side,
                           layout=node_layout(group, side, acco_config), crosses_nodes=crosses_nodes(group, acco_config),
                           replica_groups=replica_groups, accum_dtype=self.gradient_accumulation_dtype or self.dtype,
                           comm_dtype=communication_data_type or self.dtype, clip=self.clip_grad,
-                          fused_adamw=fused_adamw(self.optimizer), norm_segments=self.norm_segments)
+                          fused_adamw=fused_adamw(self.optimizer), norm_segments=self.norm_segments,
+                          expert_groups=expert_groups)
         self._flat_place = {id(p): (i, offset) for i, group_params in enumerate(params) for p, offset in group_params}
+
+    def _expert_groups(self, timeout_s: float):
+        """Mixture of experts: per parameter group, None (dense) or the expert-data-parallel group ZeRO-1
+        partitions that expert group over (``real_dp_process_group``) with the communication thread's copy
+        of it, one copy per expert group name (collective: every rank has the same groups in the same order).
+        None when the model has no experts."""
+        if not getattr(self, "has_moe_layers", False):
+            return None
+        copies, out = {}, []
+        for i, group in enumerate(self.optimizer.param_groups):
+            if not group.get("moe", False):
+                out.append(None)
+                continue
+            main = self.real_dp_process_group[i]
+            if group["name"] not in copies:
+                copies[group["name"]] = side_group(main, timeout_s)
+            out.append((main, copies[group["name"]]))
+        return out
+
+    def _ep_sizes(self) -> dict:
+        """Expert group name -> ep_size (empty without MoE): saved in ACCO's state, checked at load."""
+        if not getattr(self, "has_moe_layers", False):
+            return {}
+        names = {g["name"] for g in self.optimizer.param_groups if g.get("moe", False)}
+        return {name: tdist.get_world_size(self.ep_process_group[name]) for name in sorted(names)}
 
     # ----------------------------------------------------- the driver's hooks
     def loss_scale_now(self) -> float:
@@ -117,6 +144,7 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         self.drain()
         sd = super().state_dict()
         sd[checkpoint.ACCO_STATE_KEY] = checkpoint.save_state(self)
+        sd[checkpoint.ACCO_STATE_KEY]["ep_sizes"] = self._ep_sizes()
         if self.replica_index:
             # DeepSpeed's ds_to_universal gathers each parameter's fragments from every file it maps: only
             # replica 0's are mapped, so a universal checkpoint holds one copy of the model (replica 0's).
@@ -128,6 +156,8 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
         self.outer.before_read()
         self.drop_in_flight()
         acco = checkpoint.find_state(self, state_dict_list) if load_optimizer_states else None
+        if acco is not None and not acco.get("resharded"):
+            moe.check_ep_sizes(acco.get("ep_sizes"), self._ep_sizes())
         super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights, checkpoint_folder,
                                 load_serial, param_shapes)
         self.reset_rounds()

@@ -44,7 +44,7 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 # ------------------------------------------------------------------ block quantization (compressed communication)
 # Wire formats: one fp32 scale per block of ``block_size`` elements (the last block may be shorter), values
-# int8 (qmax 127) or fp8 e4m3 (torch.float8_e4m3fn, qmax 448). See docs/design.md, "Compressed communication".
+# int8 (qmax 127) or fp8 e4m3 (torch.float8_e4m3fn, qmax 448). See docs/design/kernels.md, "Compressed communication".
 QMAX = {"int8": 127.0, "fp8": 448.0}
 WIRE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 

@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..algorithms.rounds import COMMIT
-from ..memory import padded_numel
+from .rounds.buffers import padded_numel
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Float64 reference simulator of compressed communication (``acco.compression``): the test oracle.
 
-It writes the compressed algorithm of docs/design.md ("Compressed communication") on plain vectors, with
+It writes the compressed algorithm of docs/design/kernels.md ("Compressed communication") on plain vectors, with
 no threads, shards, buffers or process groups, so the engine matching it means the engine computes the
 algorithm. The quantizer is the wire format itself (fp32 block scales, int8/fp8 values:
 ``ops.reference.quantize_pack``); everything else is float64.
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..memory import padded_numel
+from ..runtime.rounds.buffers import padded_numel
 from ..ops import reference
 from .simulator import optimizer_update
 

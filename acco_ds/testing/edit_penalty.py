@@ -1,6 +1,6 @@
 """EDiT's pseudo-gradient penalty as the simulator writes it (``simulator.simulate_local_sgd`` mode ``edit``):
 the penalised average and the anomaly detector, written apart from ``algorithms.penalty`` so that the engine
-is checked against an independent statement of the rules (docs/design.md section 2)."""
+is checked against an independent statement of the rules (docs/design/outer-loops.md)."""
 
 import torch
 

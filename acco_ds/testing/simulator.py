@@ -1,6 +1,6 @@
 """Single-process reference simulator of ``acco``, ``dpu`` and ``sync`` training.
 
-This is the test oracle: it writes the update rules of docs/design.md section 1 as
+This is the test oracle: it writes the update rules of docs/design/algorithm.md as
 directly as possible, on one flat parameter vector, with ``W`` simulated
 workers that each draw micro-batches from their own stream. It knows nothing
 about threads, shards, buffers or DeepSpeed, so agreement between it and the
@@ -227,7 +227,7 @@ def simulate_local_sgd(mode: str,
                        fragment_update_alpha: float = 0.0,
                        fragment_owner: Optional[List[int]] = None,
                        dtype: torch.dtype = torch.float64) -> dict:
-    """``diloco`` / ``co2`` / ``edit`` (docs/design.md section 2) with ``R = world_size / group_size`` replicas.
+    """``diloco`` / ``co2`` / ``edit`` (docs/design/outer-loops.md) with ``R = world_size / group_size`` replicas.
 
     Replica ``g`` is the ranks ``g*k .. g*k+k-1``; each of its inner steps is
     one full-batch step of its own optimizer on the ``k * gas`` micro-batches
@@ -241,7 +241,7 @@ def simulate_local_sgd(mode: str,
         edit:    δ_i = x − θ_i;  x = Outer(x, Σ w_i δ_i · clip);  θ_i = x   (``edit_penalty.edit_mean``)
 
     Streaming DiLoCo (``diloco`` with ``fragments`` F, ``fragment_sync_delay`` τ, ``fragment_update_alpha``
-    α; docs/design.md section 10): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋
+    α; docs/design/outer-loops.md, Streaming DiLoCo): parameter j (element offset o_j, N elements) is in fragment ⌊F o_j / N⌋
     (``fragment_owner`` overrides that, e.g. pipeline stages each cutting their own parameters);
     window w of h = sync_every / F steps belongs to fragment f = w mod F; at its step h − τ the mean
     δ̄_f of x_f − θ_{i,f} is taken, at its step h x_f = Outer(x_f, δ̄_f) with fragment f's own momentum and

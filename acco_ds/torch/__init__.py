@@ -44,6 +44,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import replica_group_size
+from ..runtime.comm import lifetime
 from ..runtime.outer.interface import make_groups
 from .fsdp import FSDPLocalSGD
 from .replicated import ACCOOptimizer
@@ -55,7 +56,7 @@ defer_optimizer()  # a script imports this before it builds its optimizer: no to
 ROUND_MODES_ON_FSDP2 = ("acco: FSDP2 reduce-scatters the gradients inside every backward and keeps no unsharded "
                         "gradient between micro-batches, while an ACCO round accumulates the next half-batch at full "
                         "size while the previous one is reduce-scattered: that needs a second full-size gradient "
-                        "buffer beyond FSDP2 (docs/design.md section 11). Pass the plain module instead (ACCO shards "
+                        "buffer beyond FSDP2 (docs/design/hosts.md). Pass the plain module instead (ACCO shards "
                         "the optimizer state like ZeRO-1), or use a local-SGD mode (diloco, co2, edit) on FSDP2")
 
 
@@ -77,7 +78,19 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     ``model``: a plain module or an FSDP2 model; ``optimizer``: a fresh torch optimizer over the model's
     parameters (param groups welcome); ``config``: a dict or a JSON path. Collective: every rank calls it,
-    after ``torch.distributed.init_process_group``. Raises ``ValueError`` naming what is wrong and the fix."""
+    after ``torch.distributed.init_process_group``. Raises ``ValueError`` naming what is wrong and the fix.
+
+    The optimizer's ``close()`` destroys the process groups it created; a script that never calls it has them
+    destroyed at interpreter exit, with the default group if it is still up."""
+    groups = []
+    with lifetime.owned_by(groups):
+        model, host = _initialize(model, optimizer, config)
+    host.acco_groups = groups
+    lifetime.end_at_exit(host, type(host).close)
+    return model, host
+
+
+def _initialize(model, optimizer, config):
     if not tdist.is_initialized():
         raise RuntimeError("acco_ds.torch.initialize: call torch.distributed.init_process_group() first "
                            "(torchrun sets the environment it reads)")

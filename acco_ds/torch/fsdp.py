@@ -12,7 +12,7 @@ FSDP2 itself, nothing gathered.
 
 Not a 2D ("replicate", "shard") mesh: FSDP2's native HSDP all-reduces every
 backward across the replicas, and no public switch avoids it, so the replicas
-would never drift apart (docs/design.md section 11). ACCO and dpu are refused
+would never drift apart (docs/design/hosts.md). ACCO and dpu are refused
 on FSDP2 for the reason written there too.
 
 Committed weights (the anchor) are shown by copying them into the local
@@ -27,6 +27,7 @@ from typing import List
 import torch
 import torch.distributed as tdist
 
+from ..runtime.comm import lifetime
 from ..runtime.outer.interface import OuterLoopHost, Shards, build_outer_loop
 from .settings import HostSettings
 
@@ -231,6 +232,8 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         self.outer.close()
+        lifetime.destroy(getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
+        lifetime.forget(self)
 
 
 def _local(value):

@@ -30,8 +30,9 @@ from typing import List
 import torch
 import torch.distributed as tdist
 
-from ..memory import padded_numel
+from ..runtime.rounds.buffers import padded_numel
 from ..runtime.rounds.driver import RoundDriver
+from ..runtime.comm import lifetime
 from ..runtime.comm.groups import crosses_nodes, node_layout, side_group
 from ..runtime.rounds.job import CommResult
 from ..runtime.rounds.state import check_state, load_state, save_state
@@ -42,7 +43,7 @@ FORMAT = "acco_ds.torch/replicated/1"
 
 
 def flatten(groups: List[List[torch.nn.Parameter]], ways: int):
-    """One flat buffer per group, padded as the DeepSpeed host pads (``memory.padded_numel``: equal
+    """One flat buffer per group, padded as the DeepSpeed host pads (``buffers.padded_numel``: equal
     partitions, so the same blocks are quantized on both hosts); the parameters become views into it, with
     rank 0's values everywhere (every rank starts from the same weights, as under DDP)."""
     flats, params = [], []
@@ -262,6 +263,8 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
             h.remove()
         self._module_hooks = []
         self.close_rounds()
+        lifetime.destroy(getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
+        lifetime.forget(self)
 
 
 __all__ = ["ACCOOptimizer", "flatten"]

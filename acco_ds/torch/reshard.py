@@ -3,7 +3,7 @@
 Each rank reads the old ranks' files it needs (``rank<r>.pt``, memory-mapped: only the slices it uses are
 read), turns them into ``runtime.reshard``'s pieces and builds its own ``optimizer.state_dict()`` in the new
 layout, which the optimizer then loads like any other. A plain module's flat groups are split by ZeRO-1's
-rule (``memory.padded_numel``); an FSDP2 local shard is the ``Shard(0)`` chunk of each parameter. The
+rule (``buffers.padded_numel``); an FSDP2 local shard is the ``Shard(0)`` chunk of each parameter. The
 round modes first take the committed weights of ``model.pt``; a local-SGD replica takes its mapped old
 replica's weights. Rank 0 says what happened in one line.
 """

@@ -21,12 +21,19 @@
 #   data-parallel rank with its 2 stages, a sync every 5 inner steps) and stock ZeRO-1 (ACCO_DS_AUTOPATCH=0);
 #   acco again, saved and stopped at 10 and resumed to 20: its checkpoint must equal the uninterrupted run's
 #   bit for bit, and the module weights must equal zero_to_fp32's master weights.
+# The case "moe" trains a mixture of experts on 4 ranks, data parallel 4 x TP 1 with --no-pipeline-parallel
+# (Megatron-DeepSpeed's MoE needs the plain engine): --num-experts 4 in every second layer (Megatron's
+# --expert-interval 2: the second of the 2 layers), --moe-expert-parallel-size 2 (2 experts per rank), top-1
+# gating without token dropping, DeepSpeed's expert param groups (--create-moe-param-group), 20 iterations,
+# global batch 16: stock ZeRO-1 (ACCO_DS_AUTOPATCH=0), acco, and diloco (2 replicas of 2 ranks, a sync every
+# 5 inner steps; each replica holds all 4 experts). Nothing is saved: DeepSpeed 0.19.8 can neither save nor
+# load Megatron's MoE model (stock too; see the comment in moe()).
 # Everything goes to $WORK (default /tmp/acco_megatron_layouts); nothing is written into this repository.
 #
-#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2]...
+#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2|moe]...
 #
 # Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6,
-# "pipeline2" about 2.
+# "pipeline2" about 2, "moe" about 3.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -115,15 +122,48 @@ pipeline2() {
   python "$HERE/check_checkpoint.py" "$W/ckpt_acco_resumed" "$W/ckpt_acco" | tee "$W/check_resume.log" || status=1
 }
 
+moe() {
+  local W="$WORK/moe" port=$((PORT + 60))
+  local dp4="--no-pipeline-parallel --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1"
+  local experts="--num-experts 4 --moe-expert-parallel-size 2 --topk 1 --disable-moe-token-dropping
+    --moe-min-capacity 0 --moe-loss-coeff 0.01 --create-moe-param-group"
+  mkdir -p "$W"; rm -f "$W"/*.log
+  echo '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+ "steps_per_print": 4, "zero_optimization": {"stage": 1}, "acco": {"enabled": true, "mode": "acco"}}' > "$W/acco.json"
+  echo '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+ "steps_per_print": 4, "zero_optimization": {"stage": 1}, "acco": {"enabled": true, "mode": "diloco",
+ "local_sgd": {"sync_every": 5, "replica_group_size": 2}}}' > "$W/diloco.json"
+  run() {  # $1 = log name, $2 = config file, rest = train's arguments; 4 ranks, 20 iterations, nothing saved
+    local log=$1 config=$2; shift 2
+    port=$((port + 1))
+    # --save '' (an empty checkpoint folder): Megatron saves nothing. DeepSpeed 0.19.8 cannot save a MoE model
+    # from Megatron-DeepSpeed, stock ZeRO-1 too: its _save_moe_checkpoint calls dict() on the module's
+    # universal_checkpoint_info, which Megatron's GPTModel defines as a method ("'method' object is not
+    # iterable"), and refuses that key in Megatron's client_state (README.md, Compatibility).
+    # shellcheck disable=SC2086  # experts is a list of flags
+    RANKS=4 LAYOUT=$dp4 DS_CONFIG="$W/$config" GLOBAL_BATCH=16 train 20 "$port" "" $experts "$@" 2>&1 | tee "$W/$log.log"
+  }
+  ACCO_DS_AUTOPATCH=0 run stock acco.json || status=1
+  run acco acco.json || status=1
+  run diloco diloco.json || status=1
+  if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+  for log in acco diloco; do
+    grep -q '^\[acco_ds\] ACCO engine:' "$W/$log.log" || { echo "$log: no '[acco_ds] ACCO engine:' line" >&2; status=1; }
+  done
+  echo "== moe: lm loss per iteration (DP 4, 4 experts, expert parallel 2) =="
+  losses "$W/stock.log" "$W/acco.log" "$W/diloco.log" | tee "$W/losses.txt"
+}
+
 status=0
 for layout in "${@:-pipeline no-pipeline}"; do
   for name in $layout; do
     if [ "$name" = universal ]; then universal; continue; fi
     if [ "$name" = pipeline2 ]; then pipeline2; continue; fi
+    if [ "$name" = moe ]; then moe; continue; fi
     case $name in
       pipeline) LAYOUT="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
       no-pipeline) LAYOUT="--no-pipeline-parallel --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
-      *) echo "unknown layout $name (pipeline | no-pipeline | universal | pipeline2)" >&2; exit 2 ;;
+      *) echo "unknown layout $name (pipeline | no-pipeline | universal | pipeline2 | moe)" >&2; exit 2 ;;
     esac
     W="$WORK/$name"; mkdir -p "$W"; rm -rf "$W"/ckpt*
     train 30 "$PORT" "$W/ckpt" --exit-interval 20 2>&1 | tee "$W/acco.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT pre-training with Megatron-DeepSpeed and ACCO: the "acco" block of ds_config_acco.json turns it on
 # (acco_ds must be pip-installed: its startup hook patches deepspeed.initialize; with acco_ds only on
-# PYTHONPATH, launch with `deepspeed --module acco_ds.run pretrain_gpt.py ...` instead).
+# PYTHONPATH, launch with `deepspeed --module acco_ds.cli.run pretrain_gpt.py ...` instead).
 # Run from a Megatron-DeepSpeed checkout (not vendored here): MEGATRON=/path/to/Megatron-DeepSpeed
 # DATA_PREFIX must point at an indexed dataset made with Megatron's tools/preprocess_data.py.
 set -euo pipefail

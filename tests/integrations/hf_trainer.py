@@ -1,5 +1,5 @@
 """Hugging Face Trainer with --deepspeed and an "acco" block, unmodified except for
-running under `acco_ds.run`. Trains a tiny GPT-2 built from a config (no download),
+running under `acco_ds.cli.run`. Trains a tiny GPT-2 built from a config (no download),
 saves a checkpoint, then a second Trainer resumes from it."""
 
 import argparse

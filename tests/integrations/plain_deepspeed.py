@@ -1,6 +1,6 @@
 """An unmodified plain DeepSpeed script (no acco_ds import): the runner must give it ACCO.
 
-    deepspeed --module acco_ds.run tests/integrations/plain_deepspeed.py --deepspeed_config X --out DIR
+    deepspeed --module acco_ds.cli.run tests/integrations/plain_deepspeed.py --deepspeed_config X --out DIR
 """
 
 import argparse

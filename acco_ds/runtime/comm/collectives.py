@@ -47,6 +47,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
+from . import lifetime
+
 __all__ = ["reduce_scatter", "all_gather", "all_gather_part", "NodeLayout", "node_layout", "DEFAULT_CHUNK_ELEMS"]
 
 # torch >= 2.13 may rename the flat-tensor collectives; keep working on either name.
@@ -116,9 +118,9 @@ def node_layout(all_groups: List[List[int]], ranks_per_node: int, flat=None,
         per_node = len(nodes[0])
         if len(nodes) < 2 or per_node < 2 or any(len(n) != per_node for n in nodes):
             continue  # one node, one rank per node, or uneven nodes: this group stays flat
-        made_nodes = [tdist.new_group(n, timeout=timeout) for n in nodes]  # every rank creates every group
+        made_nodes = [lifetime.new_group(n, timeout) for n in nodes]  # every rank creates every group
         rails = [[n[i] for n in nodes] for i in range(per_node)]
-        made_rails = [tdist.new_group(rail, timeout=timeout) for rail in rails]
+        made_rails = [lifetime.new_group(rail, timeout) for rail in rails]
         if me in ranks:
             n = next(j for j, members in enumerate(nodes) if me in members)
             mine = NodeLayout(len(nodes), per_node, made_nodes[n], made_rails[nodes[n].index(me)], flat)

@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import torch.distributed as tdist
 
-from ...config_local import collectives_layout, ranks_per_node, spans_nodes
-from . import collectives
+from ...config import collectives_layout, ranks_per_node, spans_nodes
+from . import collectives, lifetime
 from .collectives import NodeLayout
 
 
@@ -26,8 +26,7 @@ def every_group(group) -> List[List[int]]:
 
 def side_group(group, timeout_s: float):
     """A new group with the same ranks as ``group`` (collective: every rank of the job calls it)."""
-    own, _ = tdist.new_subgroups_by_enumeration(every_group(group), timeout=timedelta(seconds=timeout_s))
-    return own
+    return lifetime.new_subgroups(every_group(group), timedelta(seconds=timeout_s))
 
 
 def node_layout(group, side, acco) -> Optional[NodeLayout]:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import lifetime
+
 
 class CommWorker:
     """Runs communication jobs on a side thread.
@@ -44,8 +46,7 @@ class CommWorker:
         self.timeout_s = float(timeout_s)
         # Collective: every rank of the job must create it in the same order. A caller that splits the
         # ranks into subgroups creates them all (new_subgroups_by_enumeration) and passes its own.
-        self.group = group if group is not None else dist.new_group(ranks=self.ranks,
-                                                                    timeout=timedelta(seconds=self.timeout_s))
+        self.group = group if group is not None else lifetime.new_group(self.ranks, timedelta(seconds=self.timeout_s))
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._ready_event = None

@@ -48,7 +48,7 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
         from ...config import LocalSGDConfig
-        from ...config_local import spans_nodes
+        from ...config import spans_nodes
         from ... import ops
         self.shards, self.groups = shards, groups
         self.replicas, self.replica_ranks = groups.replicas, groups.replica_ranks
@@ -188,7 +188,7 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
             if master is not shard:
                 master.copy_(shard)
             if self.shards.flats is not None:
-                collectives.all_gather_part(self.shards.flats[i], master, self.groups.shard, self.groups.replica_main)
+                collectives.all_gather_part(self.shards.flats[i], master, *self.shards.gather_at(i, self.groups))
 
     # ------------------------------------------------------------ what users read
     @torch.no_grad()
@@ -198,8 +198,8 @@ class LocalSGD(JoinsAndHeals, OuterLoop):
         if self.shards.flats is None:
             return self.anchor
         spare = self.shards.spare()
-        for buf, shard in zip(spare, self.anchor):
-            collectives.all_gather_part(buf, shard, self.groups.shard, self.groups.replica_main)
+        for i, (buf, shard) in enumerate(zip(spare, self.anchor)):
+            collectives.all_gather_part(buf, shard, *self.shards.gather_at(i, self.groups))
         return spare
 
     def period_words(self) -> Tuple[str, str]:

@@ -157,11 +157,13 @@ class LayerwiseSync:
         outer(x, momentum[i][lo:hi], d)
         self.shards.masters[i][lo:hi].copy_(x)
         if self.shards.flats is not None:  # (FSDP2 gathers its shards itself)
-            flat, P, k = self.shards.flats[i], self.partition[i], self.groups.k
+            rank, group = self.shards.gather_at(i, self.groups, side=True)  # an expert group: its own ranks
+            flat, P = self.shards.flats[i], self.partition[i]
+            k = flat.numel() // P
             parts = [flat[r * P + lo:r * P + hi] for r in range(k)]
-            parts[self.groups.shard].copy_(x)
+            parts[rank].copy_(x)
             if k > 1:
-                tdist.all_gather(parts, parts[self.groups.shard].clone(), group=self.groups.replica_side)
+                tdist.all_gather(parts, parts[rank].clone(), group=group)
         self.gate.release(c)
 
 

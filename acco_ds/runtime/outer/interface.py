@@ -1,4 +1,4 @@
-"""The outer-loop interface: how a host (the DeepSpeed engine today) drives an outer algorithm.
+"""The outer-loop interface: how a host (the DeepSpeed engine or the torch host) drives an outer algorithm.
 
 The round modes (``acco``, ``dpu``, ``sync``) have no outer loop: every rank
 is one data-parallel worker. The local-SGD family (``diloco``, ``co2``,
@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as tdist
+
+from ..comm import lifetime
 
 
 @dataclass
@@ -82,8 +84,7 @@ def make_groups(dp_groups: List[List[int]], k: int, timeout_s: float) -> Replica
     replicas = [dp[g * k:(g + 1) * k] for dp in dp_groups for g in range(R)]
     outers = [[dp[g * k + i] for g in range(R)] for dp in dp_groups for i in range(k)]
     timeout = timedelta(seconds=timeout_s)
-    made = [tdist.new_subgroups_by_enumeration(lists, timeout=timeout)[0]
-            for lists in (replicas, replicas, outers, outers)]
+    made = [lifetime.new_subgroups(lists, timeout) for lists in (replicas, replicas, outers, outers)]
     mine = next(ranks for ranks in replicas if me in ranks)
     dp = next(ranks for ranks in dp_groups if me in ranks)
     return ReplicaGroups(k, R, dp.index(me) // k, mine.index(me), mine, next(o for o in outers if me in o), *made)
@@ -113,6 +114,23 @@ class Shards:
     # Tensor/pipeline parallelism: per group, the (start, length) ranges of this rank's master shard that count
     # in a global norm (split parameters on every rank, replicated ones once; None: all of it).
     norm_segments: Optional[List[List[Tuple[int, int]]]] = None
+    # Mixture of experts: per group, None (partitioned over the replica group, at rank ``groups.shard``) or
+    # ``(rank, main, side)``: an expert group, partitioned over the expert-data-parallel group inside the replica
+    # (``side``: the host's communication-thread copy of it). The ranks that hold the same expert shard in every
+    # replica are still this rank's outer group.
+    gather: Optional[List[Optional[Tuple[int, object, object]]]] = None
+
+    def gather_at(self, i: int, groups: "ReplicaGroups", side: bool = False) -> Tuple[int, object]:
+        """``(rank, group)`` over which group ``i``'s flat buffer is partitioned (``side``: a copy of that
+        group for a thread other than the main one)."""
+        own = self.gather[i] if self.gather is not None else None
+        if own is None:
+            return groups.shard, groups.replica_side if side else groups.replica_main
+        return own[0], own[2] if side else own[1]
+
+    @property
+    def has_experts(self) -> bool:
+        return self.gather is not None and any(g is not None for g in self.gather)
 
     @property
     def partition(self) -> List[int]:
@@ -216,6 +234,7 @@ OUTER_LOOPS: Dict[str, Union[str, Factory]] = {
     "co2": "acco_ds.runtime.outer.co2:CO2",
     "edit": "acco_ds.runtime.outer.edit:EDiT",
     "sparseloco": "acco_ds.runtime.outer.sparseloco:SparseLoCo",
+    "decoupled": "acco_ds.runtime.outer.decoupled.learner:DecoupledLearner",
 }
 
 

@@ -52,6 +52,13 @@ import torch
 
 from ..dtypes import size as _size
 
+
+def padded_numel(n: int, world_size: int) -> int:
+    """ZeRO-1 pads each flat group so it splits into equal, aligned partitions (both hosts' flat buffers)."""
+    align = 2 * world_size
+    return -(-int(n) // align) * align
+
+
 def plan_bytes(numel: int, partition: int, model_dtype: torch.dtype, accum_dtype: torch.dtype,
                comm_dtype: torch.dtype, keep_shard: bool = True, overlap: bool = True,
                compression: Optional["RoundCompression"] = None) -> Dict[str, int]:
@@ -222,4 +229,4 @@ def allocated_bytes(buffers) -> Dict[str, int]:
     return out
 
 
-__all__ = ["FlatBuffers", "RoundCompression", "plan_bytes", "allocated_bytes"]
+__all__ = ["FlatBuffers", "RoundCompression", "padded_numel", "plan_bytes", "allocated_bytes"]

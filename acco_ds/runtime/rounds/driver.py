@@ -38,6 +38,7 @@ import torch
 import torch.distributed as tdist
 
 from ...algorithms.rounds import COMMIT, SYNC, RoundSchedule, keeps_shard
+from . import experts
 from .buffers import FlatBuffers, allocated_bytes
 from ..comm.worker import CommWorker
 from ..comm.compression import round_codec
@@ -58,13 +59,16 @@ class RoundDriver(OuterLoopHost):
     def setup_rounds(self, *, flats: List[torch.Tensor], masters: List[torch.Tensor], optimizer, params,
                      group, side, layout, crosses_nodes: bool, replica_groups, accum_dtype: torch.dtype,
                      comm_dtype: torch.dtype, clip: float = 0.0, fused_adamw: Optional[bool] = None,
-                     jit: Optional[bool] = None, norm_segments: Optional[list] = None) -> None:
+                     jit: Optional[bool] = None, norm_segments: Optional[list] = None,
+                     expert_groups: Optional[list] = None) -> None:
         """Build the buffers, hooks, communication thread and outer loop.
 
         ``flats``/``masters``: per parameter group, the flat compute parameters and this rank's fp32 master
         partition (``optimizer`` steps only those); ``params``: per group, ``(parameter, offset)`` in flat
         order; ``group``: the ZeRO-1 group (a replica's under an outer loop), ``side`` the communication
-        thread's copy of it, ``layout`` its node-aware layout (None: flat collectives)."""
+        thread's copy of it, ``layout`` its node-aware layout (None: flat collectives). ``expert_groups``
+        (mixture of experts, ``experts.py``): per parameter group, None (dense) or ``(main, side)``, the
+        expert-data-parallel group that partitions that expert group and the communication thread's copy."""
         acco = self.acco
         device = flats[0].device
         self.compute_flats, self.master_shards, self.clip = flats, masters, clip
@@ -83,11 +87,13 @@ class RoundDriver(OuterLoopHost):
             pin_mmap_threshold()  # freed per-parameter gradients go back to the OS (see runtime.rounds.host_memory)
         overlap = self.schedule.overlaps  # without overlap the job gathers straight into the parameters
         self.codec, rounds_compression = round_codec(acco, self.kernels, layout, self.world_size, crosses_nodes)
+        where = experts.places(expert_groups, len(flats), self.world_size, rounds_compression)
+        self.parts = where.parts  # per group: the job's (side group, rank) of an expert group, else None
         self.buffers = [
-            FlatBuffers(flat.numel(), master.numel(), self.world_size, flat.dtype, accum_dtype, comm_dtype,
+            FlatBuffers(flat.numel(), master.numel(), ways, flat.dtype, accum_dtype, comm_dtype,
                         flat.device, keep_shard=keeps_shard(acco.mode), params=None if overlap else flat,
-                        compression=rounds_compression)
-            for flat, master in zip(flats, masters)
+                        compression=compression)
+            for flat, master, ways, compression in zip(flats, masters, where.world_sizes, where.compressions)
         ]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i, offset))
                        for i, group_params in enumerate(params) for p, offset in group_params]
@@ -96,7 +102,8 @@ class RoundDriver(OuterLoopHost):
         # The outer loop (local-SGD modes: this ZeRO-1 group is one replica, the loop syncs the replicas).
         shards = Shards(masters, flats, lambda: [buf.spare() for buf in self.buffers], params,
                         host_state=functools.partial(heal_state, self),
-                        load_host_state=functools.partial(load_heal_state, self), norm_segments=norm_segments)
+                        load_host_state=functools.partial(load_heal_state, self), norm_segments=norm_segments,
+                        gather=where.gather)
         self.outer: OuterLoop = build_outer_loop(acco, shards, replica_groups)
         self.host_counters = None  # the host's own counters, when each replica keeps its own (checkpoint)
         self.kept = KeptShard()
@@ -212,7 +219,7 @@ class RoundDriver(OuterLoopHost):
                                   self.rank, self.world_size, local_micro, loss_scale,
                                   loss_divisor=self.gradient_accumulation_steps, layout=self.layout,
                                   codec=self.codec, flats=self.compute_flats, clip=self.clip,
-                                  delay_s=self.acco.emulation.comm_delay_s, **self.job_options()))
+                                  delay_s=self.acco.emulation.comm_delay_s, parts=self.parts, **self.job_options()))
 
     # ------------------------------------------------- what users read
     def drain(self) -> None:

@@ -104,6 +104,10 @@ class RoundJob:
     layout: object = None  # collectives.NodeLayout: node-aware reduce-scatter and all-gather (None: flat)
     codec: object = None  # compression.Codec: quantized reduce-scatter and all-gather (None: full precision)
     flats: Optional[list] = None  # with a codec: the compute parameters (the all-gather sends target - these)
+    # Mixture of experts: per buffer, ``(group, rank)`` of the collectives that partition it (an expert group
+    # is reduce-scattered and all-gathered over its expert-data-parallel group) or None for ``group``/``rank``
+    # (and ``layout``). None: every buffer on the data-parallel group.
+    parts: Optional[list] = None
 
     def __call__(self) -> CommResult:
         phases = Phases()
@@ -127,11 +131,12 @@ class RoundJob:
 
     # ---------------------------------------------------------------- phases
     def reduce_scatter(self) -> None:
-        for buf in self.buffers:
-            if self.codec is not None:
-                compression.reduce_scatter(buf.shard, buf.send, self.layout or self.group, self.codec, buf.residual)
+        for i, buf in enumerate(self.buffers):
+            group, _ = self.part(i)
+            if self.codec is not None and buf.compression is not None:
+                compression.reduce_scatter(buf.shard, buf.send, group, self.codec, buf.residual)
             else:
-                collectives.reduce_scatter(buf.reduced, buf.send, self.layout or self.group)
+                collectives.reduce_scatter(buf.reduced, buf.send, group)
             buf.sent()
 
     def unscale(self):
@@ -190,14 +195,20 @@ class RoundJob:
 
     def all_gather(self) -> None:
         for i, (buf, out) in enumerate(zip(self.buffers, self.outputs())):
-            if self.codec is not None:
-                compression.all_gather(buf.gathered, self.flats[i], out, self.layout or self.group, self.codec)
+            group, _ = self.part(i)
+            if self.codec is not None and buf.compression is not None:
+                compression.all_gather(buf.gathered, self.flats[i], out, group, self.codec)
             else:
-                collectives.all_gather(buf.gathered, out, self.layout or self.group)
+                collectives.all_gather(buf.gathered, out, group)
 
     # --------------------------------------------------------------- helpers
+    def part(self, i: int):
+        """``(group, rank)`` of buffer ``i``'s reduce-scatter and all-gather (a node layout or a group)."""
+        own = self.parts[i] if self.parts is not None else None
+        return own if own is not None else (self.layout or self.group, self.rank)
+
     def outputs(self) -> List[torch.Tensor]:
-        return [buf.update_out(self.rank) for buf in self.buffers]
+        return [buf.update_out(self.part(i)[1]) for i, buf in enumerate(self.buffers)]
 
     def _squared_norm(self) -> float:
         return squared_norm([buf.shard for buf in self.buffers], self.norm_segments)

@@ -16,11 +16,17 @@ import torch
 from ...config import checkpoint_mismatch
 from ..comm import collectives
 from ..comm.compression import residuals_to_load
+from .experts import buffer_part
 from .job import result_from_dict
 
 
-def _my_part(opt, flat, buf):
-    return flat.narrow(0, opt.rank * buf.partition, buf.partition)
+def _my_part(opt, flat, buf, i: int):
+    """This rank's partition of buffer ``i`` (an expert group's: by its rank in its expert-data-parallel group)."""
+    return flat.narrow(0, buffer_part(opt, i)[0] * buf.partition, buf.partition)
+
+
+def _gather_part(opt, i: int, flat, saved) -> None:
+    collectives.all_gather_part(flat, saved, *buffer_part(opt, i))
 
 
 def save_state(opt) -> dict:
@@ -39,9 +45,11 @@ def save_state(opt) -> dict:
         "residuals": [None if b.residual is None else b.residual.clone() for b in opt.buffers],
         "kept_count": opt.kept.count,
         "kept_finite": opt.kept.finite,
-        "compute_part": [_my_part(opt, f, b).clone() for f, b in zip(opt.compute_flats, opt.buffers)],
+        "compute_part": [_my_part(opt, f, b, i).clone()
+                         for i, (f, b) in enumerate(zip(opt.compute_flats, opt.buffers))],
         "pending": asdict(pending) if pending is not None else None,
-        "pending_part": [_my_part(opt, b.gathered, b).clone() for b in opt.buffers] if pending is not None else None,
+        "pending_part": [_my_part(opt, b.gathered, b, i).clone() for i, b in enumerate(opt.buffers)]
+        if pending is not None else None,
         "outer": opt.outer.state_dict(),
         "host_counters": opt.host_counters,
     }
@@ -89,16 +97,15 @@ def load_state(opt, acco: dict) -> None:
         buf.kept_scale = scale
     opt.kept.count, opt.kept.finite = int(acco["kept_count"]), bool(acco["kept_finite"])
     load_residuals(opt.buffers, acco.get("residuals"), "the rounds' reduce-scatter")
-    group = opt.comm.group
-    for flat, saved in zip(opt.compute_flats, acco["compute_part"]):
-        collectives.all_gather_part(flat, saved, opt.rank, group)
+    for i, (flat, saved) in enumerate(zip(opt.compute_flats, acco["compute_part"])):
+        _gather_part(opt, i, flat, saved)
     outer = acco.get("outer", acco.get("local_sgd"))  # "local_sgd": the key before the outer-loop interface
     opt.outer.load_state_dict(outer)
     opt.host_counters = acco.get("host_counters", (outer or {}).get("counters"))
     opt.pending = result_from_dict(acco["pending"])
     if opt.pending is not None:
-        for buf, saved in zip(opt.buffers, acco["pending_part"]):
-            collectives.all_gather_part(buf.gathered, saved, opt.rank, group)
+        for i, (buf, saved) in enumerate(zip(opt.buffers, acco["pending_part"])):
+            _gather_part(opt, i, buf.gathered, saved)
 
 
 def load_optimizer_state(optimizer, saved: dict) -> None:
@@ -137,8 +144,8 @@ def _load_resharded(opt, acco: dict) -> None:
     for buf in opt.buffers:
         if buf.residual is not None:
             buf.residual.zero_()
-    for flat, saved in zip(opt.compute_flats, acco["compute_part"] or []):
-        collectives.all_gather_part(flat, saved, opt.rank, opt.comm.group)
+    for i, (flat, saved) in enumerate(zip(opt.compute_flats, acco["compute_part"] or [])):
+        _gather_part(opt, i, flat, saved)
     opt.outer.load_state_dict(acco["outer"])
     opt.host_counters = acco.get("host_counters")
 

@@ -1,0 +1,144 @@
+"""The keys of ``"mode": "decoupled"`` (Decoupled DiLoCo: learners that never wait for each other) and how they
+combine with the rest of the ``"acco"`` block. The fields live in ``local_sgd``: ``LocalSGDConfig`` takes them
+from ``DecoupledKeys`` here; the syncer's own settings are the nested ``local_sgd.syncer`` block,
+``SyncerConfig``. This module imports no other config module (``local_sgd`` imports it)."""
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+DECOUPLED = "decoupled"
+# local_sgd keys that only mode "decoupled" reads.
+DECOUPLED_ONLY = ("sync_every_s", "min_quorum", "grace_s", "merge", "staleness", "nesterov_delay", "syncer")
+# local_sgd keys of other modes that mean nothing to the syncer.
+NOT_DECOUPLED = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "staleness_penalty",
+                 "outer_momentum_clip", "chunk", "topk", "error_decay", "value_bits", "sync_time_s",
+                 "pseudo_grad_clip", "weighting", "anomaly")
+
+
+class _Block(BaseModel):
+    """The settings of ``local_sgd._Documented`` (field docstrings are descriptions, unknown keys refused)."""
+    model_config = ConfigDict(use_attribute_docstrings=True, validate_default=True, validate_assignment=True,
+                              use_enum_values=True, populate_by_name=True, extra="forbid",
+                              arbitrary_types_allowed=True, protected_namespaces=())
+
+
+class SyncerConfig(_Block):
+    """Where the syncer of ``"mode": "decoupled"`` runs and how learners reach it."""
+
+    address: Optional[str] = None
+    """``host:port`` of shard 0 of a syncer started with ``acco-ds syncer`` (shard j listens on port + j).
+    Left out (the default): the launch starts its own shards, one CPU process per rank of a learner, on the
+    ranks of learner 0 (rank j starts shard j), and they live until every learner is done."""
+
+    state_dir: Optional[str] = None
+    """Folder where each shard checkpoints θ_g, the outer momentum, the version and the merge log after every
+    merge (``shard{j}.pt`` and ``merges.jsonl``); a shard restarted on the same folder resumes from it. Left
+    out with the launch's own shards: a temporary folder."""
+
+    timeout_s: float = Field(120.0, gt=0.0, allow_inf_nan=False)
+    """Seconds a learner keeps retrying to reach its shard, and waits for the merge that holds its
+    pseudo-gradient, before it stops with an error that names the address."""
+
+    host: str = "127.0.0.1"
+    """Own shards only: the address they bind to and that learners use (the launch's node of learner 0). Set
+    it to that node's address when learners run on other nodes."""
+
+    max_message_mb: float = Field(4096.0, gt=0.0, allow_inf_nan=False)
+    """Largest tensor payload a shard or a learner accepts in one message (MiB); a larger header is refused
+    before anything is read into memory."""
+
+
+class DecoupledKeys(_Block):
+    """The ``local_sgd`` keys of mode ``decoupled`` (``LocalSGDConfig`` inherits them)."""
+
+    sync_every_s: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    """``decoupled`` only: a learner's period ends once this many seconds of wall time passed since it
+    started, whatever its step count (its tokens weigh its pseudo-gradient). ``sync_every`` must then be left
+    out."""
+
+    min_quorum: StrictInt = Field(1, ge=1)
+    """``decoupled`` only: K, the pseudo-gradients the syncer waits for before a merge (capped by the learners
+    alive). With K = the number of learners and ``grace_s`` 0 the mode is DiLoCo."""
+
+    grace_s: Union[Annotated[float, Field(ge=0.0, allow_inf_nan=False)], Literal["auto"]] = "auto"
+    """``decoupled`` only: seconds the syncer keeps a merge open after the K-th pseudo-gradient arrived, for
+    learners close behind; 0 merges at once. ``"auto"``: a tenth of the learners' mean period, measured."""
+
+    merge: Literal["tokens", "equal"] = "tokens"
+    """``decoupled`` only: weigh each pseudo-gradient of a merge by its tokens (``tokens``) or alike
+    (``equal``)."""
+
+    staleness: Literal["none", "delayed_nesterov"] = "none"
+    """``decoupled`` only: ``none`` merges a pseudo-gradient computed from an older global model as it is;
+    ``delayed_nesterov`` (Liu et al., arXiv 2401.09135) folds the outer momentum in every ``nesterov_delay``
+    merges and applies the plain mean in between."""
+
+    nesterov_delay: Optional[StrictInt] = Field(None, ge=1)
+    """``decoupled`` with ``delayed_nesterov`` only: N, merges per momentum update (default: the number of
+    learners)."""
+
+    syncer: Optional[SyncerConfig] = None
+    """``decoupled`` only: where its syncer runs (default: the launch starts its own shards); see
+    ``SyncerConfig``."""
+
+
+
+def check_decoupled(acco) -> None:
+    """How the decoupled keys combine with ``acco.mode`` and the other blocks (raises ``ValueError`` naming
+    the key and the fix)."""
+    ls = acco.local_sgd
+    given = set(ls.model_fields_set) if ls is not None else set()
+    if acco.mode != DECOUPLED:
+        stray = [k for k in DECOUPLED_ONLY if k in given]
+        if stray:
+            raise ValueError(f'acco.local_sgd.{stray[0]} belongs to mode "decoupled" (learners that never wait for '
+                             f'each other), not to mode "{acco.mode}": remove it or set acco.mode to "decoupled"')
+        return
+    ls = ls if ls is not None else DecoupledKeys()
+    for key in NOT_DECOUPLED:
+        if key in given:
+            raise ValueError(f'acco.local_sgd.{key} does not apply to mode "decoupled": its syncer merges whole '
+                             f'pseudo-gradients with outer_lr, outer_momentum and nesterov (staleness: "none" or '
+                             f'"delayed_nesterov"). Remove {key}')
+    if "sync_every_s" in given and "sync_every" in given:
+        raise ValueError("acco.local_sgd.sync_every_s (a period ends on wall time) and acco.local_sgd.sync_every "
+                         "(a period of a fixed step count) exclude each other: remove one of them")
+    if ls.nesterov_delay is not None and ls.staleness != "delayed_nesterov":
+        raise ValueError('acco.local_sgd.nesterov_delay is Delayed Nesterov\'s N: it applies with '
+                         '"staleness": "delayed_nesterov" only. Remove it or set staleness')
+    if ls.staleness == "delayed_nesterov" and ls.nesterov is False:
+        raise ValueError('acco.local_sgd.staleness "delayed_nesterov" is a Nesterov outer step: remove '
+                         '"nesterov": false or use staleness "none"')
+    if acco.fault_tolerance is not None:
+        raise ValueError('acco.fault_tolerance (torchft quorums) and acco.mode "decoupled" exclude each other: a '
+                         'decoupled learner has no quorum to wait for; its syncer already drops learners that die '
+                         'and lets relaunched ones in. Remove acco.fault_tolerance (name the syncer with '
+                         'acco.local_sgd.syncer.address to run one launch per learner)')
+    comp = acco.compression
+    if comp.enabled and (comp.apply_to is None or "outer" in comp.apply_to):
+        raise ValueError('acco.compression of the outer exchange is not supported with acco.mode "decoupled" yet: '
+                         'its pseudo-gradients travel to the syncer in fp32. Set "apply_to": ["rounds"] to compress '
+                         'only the inner steps, or remove acco.compression')
+
+
+def check_decoupled_layout(groups) -> None:
+    """Refuse what a decoupled learner cannot run on: tensor and pipeline parallelism (``groups``: the host's
+    ``ReplicaGroups``)."""
+    if groups.model_main is not None:
+        raise ValueError('acco.mode "decoupled" does not support tensor or pipeline parallelism yet: each learner '
+                         'rank sends its ZeRO-1 shard of the whole model to one syncer shard. Train with tensor and '
+                         'pipeline parallel size 1, or use mode "diloco"')
+
+
+def learner_launch_size(acco, world_size: int) -> Optional[int]:
+    """A decoupled launch that names its syncer (and no replica_group_size) is one learner: its whole world."""
+    ls = acco.local_sgd
+    if acco.mode == DECOUPLED and ls is not None and ls.replica_group_size is None and ls.syncer is not None \
+            and ls.syncer.address:
+        return world_size
+    return None
+
+
+__all__ = ["SyncerConfig", "DecoupledKeys", "learner_launch_size", "check_decoupled", "check_decoupled_layout",
+           "DECOUPLED", "DECOUPLED_ONLY", "NOT_DECOUPLED"]

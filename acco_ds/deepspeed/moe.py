@@ -1,0 +1,117 @@
+"""Mixture of experts (``deepspeed.moe.layer.MoE``) under acco_ds: the expert groups and the layout rules.
+
+DeepSpeed's ZeRO-1 keeps expert parameters in param groups of their own
+(``moe: True``, ``name`` = the expert group name ``ep_size_<e>``) and
+partitions each over the expert-data-parallel group of that name: with
+``ep_size`` e on W data-parallel ranks, expert-parallel groups are runs of e
+consecutive ranks, and the ranks at the same position of every run hold the
+same experts. The round modes use DeepSpeed's groups as they are (the
+driver reduce-scatters and all-gathers each expert group over its own
+group). The local-SGD modes run ZeRO-1 inside a replica of k consecutive
+ranks: expert parallelism must live inside the replica (e divides k), and the
+inner step partitions an expert group over the ranks of *this replica* that
+hold those experts (``replica_expert_groups``). Across replicas, the ranks at
+the same position of every replica hold the same expert shard: that is the
+outer group the loop already averages over.
+"""
+
+from datetime import timedelta
+from typing import Dict, List
+
+import torch.distributed as tdist
+
+from ..runtime.comm import lifetime
+
+
+def ep_sizes(engine) -> Dict[str, int]:
+    """Expert group name -> ep_size of the engine's expert parameters (empty without MoE). The names are those
+    of the module's expert parameters (DeepSpeed marks them ``allreduce=False`` with a ``group_name``: MoE and
+    AutoEP layers alike): DeepSpeed's group dictionaries hold every expert group the process ever created."""
+    if not getattr(engine, "has_moe_layers", False):
+        return {}
+    names = {p.group_name for p in engine.module.parameters()
+             if getattr(p, "allreduce", True) is False and hasattr(p, "group_name")}
+    return {name: tdist.get_world_size(engine.expert_parallel_group[name]) for name in sorted(names)}
+
+
+def check_layout(engine) -> None:
+    """Refuse what the expert groups cannot run with, by name: model parallelism beside experts, and adaptive
+    accumulation with experts split across ranks."""
+    mp, sizes = getattr(engine, "mp_world_size", 1), ep_sizes(engine)
+    if max(sizes.values(), default=1) > 1 and engine.acco_config.accumulation == "adaptive":
+        raise ValueError(f'acco.accumulation="adaptive" cannot run with expert parallelism (ep_size '
+                         f'{max(sizes.values())}): every MoE layer\'s all-to-all pairs the micro-batches of the ranks '
+                         f'of an expert-parallel group, so they must end their rounds after the same micro-batches. '
+                         f'Use accumulation "fixed", or ep_size 1')
+    if sizes and mp > 1:
+        raise ValueError(f"ACCO with MoE layers does not support tensor or pipeline parallelism (model-parallel size "
+                         f"{mp}) yet: its expert groups and norms assume experts partitioned over data-parallel "
+                         f"ranks only (no expert tensor parallelism). Train the MoE model without model parallelism, "
+                         f'or set "acco": {{"enabled": false}}')
+
+
+def check_replica(engine, k: int) -> None:
+    """Refuse, before any group is made, an ``ep_size`` that does not divide the replica group size ``k``."""
+    for name, e in sorted(ep_sizes(engine).items()):
+        if k % e:
+            raise ValueError(f"ACCO local-SGD with MoE layers: ep_size {e} (expert group {name}) does not divide "
+                             f"acco.local_sgd.replica_group_size {k}. Expert parallelism must live inside a "
+                             f"replica (its all-to-all never crosses replicas): set replica_group_size to a multiple "
+                             f"of {e}, or ep_size to a divisor of {k}")
+
+
+def replica_expert_groups(engine, dp_groups: List[List[int]], k: int, timeout_s: float) -> Dict[str, object]:
+    """Per expert group name, this rank's expert-data-parallel group inside its replica: the ranks of its
+    replica (``k`` consecutive ranks of its data-parallel group) at its position in the expert-parallel run
+    (collective: every rank creates every group in the same order). Refuses an ``ep_size`` that does not
+    divide ``k`` by name."""
+    out = {}
+    me = tdist.get_rank()
+    check_replica(engine, k)
+    for name, e in sorted(ep_sizes(engine).items()):
+        mine = tdist.get_process_group_ranks(engine.expert_parallel_group[name])
+        lists = []
+        for dp in dp_groups:
+            for g in range(len(dp) // k):
+                replica = dp[g * k:(g + 1) * k]
+                lists += [replica[j::e] for j in range(e)]
+        home = next(ranks for ranks in lists if me in ranks)
+        if not set(mine) <= set(next(dp[g * k:(g + 1) * k] for dp in dp_groups if me in dp
+                                     for g in range(len(dp) // k) if me in dp[g * k:(g + 1) * k])):
+            raise ValueError(f"ACCO local-SGD with MoE layers: this rank's expert-parallel group {mine} (expert "
+                             f"group {name}) crosses its replica: expert parallelism must live inside a replica "
+                             f"of replica_group_size {k} consecutive ranks (DeepSpeed's default layout; do not set "
+                             f"use_data_before_expert_parallel_)")
+        group = lifetime.new_subgroups(lists, timedelta(seconds=timeout_s))  # ended with the engine's groups
+        assert sorted(tdist.get_process_group_ranks(group)) == sorted(home)
+        out[name] = group
+    return out
+
+
+def refuse_reshard(engine, saved, now, local: bool) -> None:
+    """A checkpoint of another data-parallel size (or replica layout) is not resharded for a model with
+    experts: refused by name."""
+    if not ep_sizes(engine):
+        return
+    what = "(data-parallel size, replica_group_size)" if local else "data-parallel size"
+    raise ValueError(f"ACCO: this checkpoint of a model with MoE layers was saved with {what} "
+                     f"{saved if local else saved[0]} but this run has {now if local else now[0]}: resharding "
+                     f"expert partitions (each expert group is partitioned over its own expert-data-parallel "
+                     f"group) is not supported yet. Resume with the saved layout, or load only the module weights "
+                     f"(load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)); DeepSpeed "
+                     f"saves each expert in a file of its own")
+
+
+def check_ep_sizes(saved, now) -> None:
+    """Refuse an ACCO checkpoint saved with other expert-parallel sizes (``saved``/``now``: name -> ep_size;
+    ``saved`` None: saved before acco_ds knew experts, nothing to check)."""
+    if saved is None or dict(saved) == dict(now):
+        return
+    raise ValueError(f"ACCO: this checkpoint was saved with expert parallelism {dict(saved) or 'none (no MoE)'} but "
+                     f"this run has {dict(now) or 'none (no MoE)'}: changing ep_size repartitions every expert's "
+                     f"optimizer state, which is not supported. Resume with the saved ep_size, or load only the "
+                     f"module weights (load_checkpoint(..., load_optimizer_states=False, "
+                     f"load_lr_scheduler_states=False))")
+
+
+__all__ = ["ep_sizes", "check_layout", "check_replica", "replica_expert_groups", "refuse_reshard", "check_ep_sizes"]

@@ -1,0 +1,75 @@
+"""The keys of ``"mode": "decoupled"``: defaults, and every bad key or combination refused by name with its fix."""
+
+import pytest
+
+from acco_ds.config import parse_acco_config
+
+
+def block(**local_sgd):
+    return {"acco": {"enabled": True, "mode": "decoupled", "local_sgd": local_sgd}}
+
+
+def test_defaults():
+    acco = parse_acco_config(block())
+    ls = acco.local_sgd
+    assert acco.local and acco.round_mode() == "sync"
+    assert (ls.min_quorum, ls.grace_s, ls.merge, ls.staleness, ls.syncer) == (1, "auto", "tokens", "none", None)
+    assert acco.outer == {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "staleness_penalty": 1.0,
+                          "outer_momentum_clip": None}
+    acco = parse_acco_config(block(sync_every_s=2.5, min_quorum=3, grace_s=0, merge="equal",
+                                   staleness="delayed_nesterov", nesterov_delay=4,
+                                   syncer={"address": "10.0.0.1:29600", "state_dir": "/tmp/s", "timeout_s": 30}))
+    ls = acco.local_sgd
+    assert (ls.sync_every_s, ls.min_quorum, ls.grace_s, ls.nesterov_delay) == (2.5, 3, 0.0, 4)
+    assert ls.syncer.address == "10.0.0.1:29600" and ls.syncer.timeout_s == 30
+
+
+@pytest.mark.parametrize("acco, needle", [
+    ({"mode": "diloco", "local_sgd": {"min_quorum": 2}},
+     'acco.local_sgd.min_quorum belongs to mode "decoupled"'),
+    ({"mode": "edit", "local_sgd": {"grace_s": 1.0}}, 'acco.local_sgd.grace_s belongs to mode "decoupled"'),
+    ({"mode": "diloco", "local_sgd": {"syncer": {"address": "h:1"}}}, 'acco.local_sgd.syncer belongs to mode'),
+    ({"mode": "decoupled", "local_sgd": {"min_quorum": 0}},
+     '"acco.local_sgd.min_quorum": Input should be greater than or equal to 1'),
+    ({"mode": "decoupled", "local_sgd": {"grace_s": "soon"}}, '"acco.local_sgd.grace_s'),
+    ({"mode": "decoupled", "local_sgd": {"grace_s": -1}}, '"acco.local_sgd.grace_s'),
+    ({"mode": "decoupled", "local_sgd": {"merge": "mean"}}, '"acco.local_sgd.merge"'),
+    ({"mode": "decoupled", "local_sgd": {"staleness": "cgad"}}, '"acco.local_sgd.staleness"'),
+    ({"mode": "decoupled", "local_sgd": {"sync_every": 4, "sync_every_s": 2.0}},
+     "acco.local_sgd.sync_every_s (a period ends on wall time) and acco.local_sgd.sync_every"),
+    ({"mode": "decoupled", "local_sgd": {"nesterov_delay": 2}}, "nesterov_delay is Delayed Nesterov's N"),
+    ({"mode": "decoupled", "local_sgd": {"staleness": "delayed_nesterov", "nesterov": False}},
+     'staleness "delayed_nesterov" is a Nesterov outer step'),
+    ({"mode": "decoupled", "local_sgd": {"fragments": 2}}, "acco.local_sgd.fragments is Streaming DiLoCo's"),
+    ({"mode": "decoupled", "local_sgd": {"topk": 2}}, "acco.local_sgd.topk is SparseLoCo's"),
+    ({"mode": "decoupled", "local_sgd": {"sync_time_s": 2.0}}, 'applies to mode "edit", not to mode "decoupled"'),
+    ({"mode": "decoupled", "local_sgd": {"staleness_penalty": 2.0}}, 'not to mode "decoupled"'),
+    ({"mode": "decoupled", "local_sgd": {"syncer": {"adress": "h:1"}}},
+     'unknown key "acco.local_sgd.syncer.adress"'),
+    ({"mode": "decoupled", "local_sgd": {"syncer": {"timeout_s": 0}}}, '"acco.local_sgd.syncer.timeout_s"'),
+    ({"mode": "decoupled", "compression": {"dtype": "int8"}},
+     'acco.compression of the outer exchange is not supported with acco.mode "decoupled"'),
+    ({"mode": "decoupled", "compression": {"dtype": "int8", "apply_to": ["outer"]}},
+     'Set "apply_to": ["rounds"]'),
+    ({"mode": "decoupled", "fault_tolerance": {}},
+     'acco.fault_tolerance (torchft quorums) and acco.mode "decoupled" exclude each other'),
+])
+def test_bad_decoupled_settings_are_refused_by_name(acco, needle):
+    with pytest.raises(ValueError, match="acco") as err:
+        parse_acco_config({"acco": {"enabled": True, **acco}})
+    assert needle in str(err.value), str(err.value)
+
+
+def test_compression_of_the_inner_steps_alone_is_accepted():
+    acco = parse_acco_config({"acco": {"enabled": True, "mode": "decoupled",
+                                       "compression": {"dtype": "int8", "apply_to": ["rounds"]}}})
+    assert acco.compression.applies_to("rounds") and not acco.compression.applies_to("outer")
+
+
+def test_tensor_and_pipeline_parallel_layouts_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from acco_ds.config.decoupled import check_decoupled_layout
+    check_decoupled_layout(SimpleNamespace(model_main=None))
+    with pytest.raises(ValueError, match='acco.mode "decoupled" does not support tensor or pipeline parallelism'):
+        check_decoupled_layout(SimpleNamespace(model_main=object()))
