@@ -39,21 +39,21 @@ def exchange_times(numel: int, repeats: int) -> list:
     while not os.path.exists(port_file):
         time.sleep(0.05)
     sock = wire.connect(("127.0.0.1", int(open(port_file).read())), 30, "shard")
-    wire.send(sock, wire.Message("HELLO", learner=0, session=1))
+    wire.send(sock, wire.Message("HELLO", learner=0, incarnation=1))
     wire.recv(sock, 1 << 40)
-    wire.send(sock, wire.Message("INIT", learner=0, session=1, name="theta", tensor=torch.zeros(numel)))
+    wire.send(sock, wire.Message("INIT", learner=0, incarnation=1, name="theta", tensor=torch.zeros(numel)))
     delta = torch.randn(numel) * 1e-3
     times = []
     for v in range(repeats + 1):
         t0 = time.perf_counter()
-        wire.send(sock, wire.Message("DELTA", learner=0, session=1, base=v, tokens=1, steps=1, name="delta",
+        wire.send(sock, wire.Message("DELTA", learner=0, incarnation=1, base=v, tokens=1, steps=1, name="delta",
                                      tensor=delta))
         wire.expect(wire.recv(sock, 1 << 40), "ACK")
-        wire.send(sock, wire.Message("READY", learner=0, session=1, base=v, tokens=1, steps=1))
+        wire.send(sock, wire.Message("READY", learner=0, incarnation=1, base=v, tokens=1, steps=1))
         wire.expect(wire.recv(sock, 1 << 40), "PARAMS", "theta", numel)
         if v:  # the first exchange warms up
             times.append(time.perf_counter() - t0)
-    wire.send(sock, wire.Message("DONE", learner=0, session=1))
+    wire.send(sock, wire.Message("DONE", learner=0, incarnation=1))
     sock.close()
     proc.wait(30)
     return times

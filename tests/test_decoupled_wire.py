@@ -25,9 +25,9 @@ def pair():
 def test_a_tensor_round_trips_as_raw_bytes():
     a, b = pair()
     t = torch.randn(37)
-    wire.send(a, wire.Message("DELTA", learner=3, session=99, base=5, tokens=12, steps=4, name="delta", tensor=t))
+    wire.send(a, wire.Message("DELTA", learner=3, incarnation=99, base=5, tokens=12, steps=4, name="delta", tensor=t))
     got = wire.recv(b, 1 << 20)
-    assert (got.kind, got.learner, got.session, got.base, got.tokens, got.steps, got.name) == \
+    assert (got.kind, got.learner, got.incarnation, got.base, got.tokens, got.steps, got.name) == \
         ("DELTA", 3, 99, 5, 12, 4, "delta")
     assert torch.equal(got.tensor, t)
     wire.send(a, wire.Message("GET", learner=1))
@@ -35,7 +35,7 @@ def test_a_tensor_round_trips_as_raw_bytes():
 
 
 def header(**over):
-    fields = dict(magic=wire.MAGIC, protocol=wire.PROTOCOL, kind=6, learner=0, session=0, version=0, base=0,
+    fields = dict(magic=wire.MAGIC, protocol=wire.PROTOCOL, kind=6, learner=0, incarnation=0, version=0, base=0,
                   tokens=0, steps=0, dtype=1, ndim=1, name_len=5, d0=4, d1=0, payload=16)
     fields.update(over)
     return wire.HEADER.pack(*fields.values())
@@ -81,38 +81,38 @@ def shard(tmp_path):
     t.join(5)
 
 
-def learner(shard, i, session):
+def learner(shard, i, incarnation):
     sock = wire.connect(("127.0.0.1", shard.port), 5, "shard")
-    wire.send(sock, wire.Message("HELLO", learner=i, session=session))
+    wire.send(sock, wire.Message("HELLO", learner=i, incarnation=incarnation))
     state = wire.recv(sock, 1 << 20)
     return sock, state
 
 
 def exchange(sock, i, s, base, delta, tokens):
-    wire.send(sock, wire.Message("DELTA", learner=i, session=s, base=base, tokens=tokens, steps=tokens, name="delta",
+    wire.send(sock, wire.Message("DELTA", learner=i, incarnation=s, base=base, tokens=tokens, steps=tokens, name="delta",
                                  tensor=delta))
     wire.expect(wire.recv(sock, 1 << 20), "ACK")
-    wire.send(sock, wire.Message("READY", learner=i, session=s, base=base, tokens=tokens, steps=tokens))
+    wire.send(sock, wire.Message("READY", learner=i, incarnation=s, base=base, tokens=tokens, steps=tokens))
 
 
 def test_a_shard_merges_by_the_rule_and_refuses_bad_messages_without_changing(shard, tmp_path):
     theta0 = torch.randn(10)
     a, state = learner(shard, 0, 11)
     assert state.version == wire.NO_VERSION
-    wire.send(a, wire.Message("INIT", learner=0, session=11, name="theta", tensor=theta0))
-    wire.send(a, wire.Message("GET", learner=0, session=11))
+    wire.send(a, wire.Message("INIT", learner=0, incarnation=11, name="theta", tensor=theta0))
+    wire.send(a, wire.Message("GET", learner=0, incarnation=11))
     got = wire.expect(wire.recv(a, 1 << 20), "PARAMS", "theta", 10)
     assert got.version == 0 and torch.equal(got.tensor, theta0)
     b, state = learner(shard, 1, 22)
     assert state.version == 0
     # Bad messages, each on its own connection: refused by name, the state unchanged.
-    bad = [wire.Message("DELTA", learner=5, session=1, name="delta", tensor=torch.ones(10)),  # before HELLO
-           wire.Message("DELTA", learner=1, session=22, name="delta", tensor=torch.ones(11)),  # wrong shape
-           wire.Message("DELTA", learner=1, session=22, name="weights", tensor=torch.ones(10)),  # wrong name
-           wire.Message("DELTA", learner=1, session=22, name="delta", tensor=torch.ones(10, dtype=torch.float64)),
-           wire.Message("DELTA", learner=1, session=22, base=7, name="delta", tensor=torch.ones(10)),  # future base
-           wire.Message("DELTA", learner=1, session=22, name="delta", tensor=torch.full((10,), float("nan"))),
-           wire.Message("READY", learner=1, session=22, base=0)]  # READY without a Δ
+    bad = [wire.Message("DELTA", learner=5, incarnation=1, name="delta", tensor=torch.ones(10)),  # before HELLO
+           wire.Message("DELTA", learner=1, incarnation=22, name="delta", tensor=torch.ones(11)),  # wrong shape
+           wire.Message("DELTA", learner=1, incarnation=22, name="weights", tensor=torch.ones(10)),  # wrong name
+           wire.Message("DELTA", learner=1, incarnation=22, name="delta", tensor=torch.ones(10, dtype=torch.float64)),
+           wire.Message("DELTA", learner=1, incarnation=22, base=7, name="delta", tensor=torch.ones(10)),  # future base
+           wire.Message("DELTA", learner=1, incarnation=22, name="delta", tensor=torch.full((10,), float("nan"))),
+           wire.Message("READY", learner=1, incarnation=22, base=0)]  # READY without a Δ
     for i, msg in enumerate(bad):
         c, _ = learner(shard, 1, 22) if i else (wire.connect(("127.0.0.1", shard.port), 5, "shard"), None)
         wire.send(c, msg)
@@ -155,7 +155,7 @@ def test_a_shard_merges_by_the_rule_and_refuses_bad_messages_without_changing(sh
 
 def test_a_delta_re_sent_to_a_restarted_shard_is_not_merged_twice(tmp_path):
     """A learner whose syncer restarted after merging its Δ (before the learner got θ_g) sends it again: the
-    resumed shard recognises it (learner, session, base) and answers with the current θ_g, merging nothing."""
+    resumed shard recognises it (learner, incarnation, base) and answers with the current θ_g, merging nothing."""
     def serve(s):
         s.start()
         threading.Thread(target=s.serve, daemon=True).start()
@@ -164,7 +164,7 @@ def test_a_delta_re_sent_to_a_restarted_shard_is_not_merged_twice(tmp_path):
     first = serve(Shard(0, "127.0.0.1", 0, SETTINGS, state_dir=str(tmp_path), say=lambda _: None))
     a, _ = learner(first, 0, 5)
     theta0, d = torch.randn(6), torch.randn(6)
-    wire.send(a, wire.Message("INIT", learner=0, session=5, name="theta", tensor=theta0))
+    wire.send(a, wire.Message("INIT", learner=0, incarnation=5, name="theta", tensor=theta0))
     exchange(a, 0, 5, 0, d, 2)
     merged = wire.expect(wire.recv(a, 1 << 20), "PARAMS", "theta", 6)
     first.stop()
@@ -174,10 +174,10 @@ def test_a_delta_re_sent_to_a_restarted_shard_is_not_merged_twice(tmp_path):
     assert again.state.version == 1 and again.merged == {0: (5, 0)}
     b, state = learner(again, 0, 5)
     assert state.version == 1
-    wire.send(b, wire.Message("DELTA", learner=0, session=5, base=0, tokens=2, steps=2, name="delta", tensor=d))
+    wire.send(b, wire.Message("DELTA", learner=0, incarnation=5, base=0, tokens=2, steps=2, name="delta", tensor=d))
     wire.expect(wire.recv(b, 1 << 20), "ACK")
     got = wire.expect(wire.recv(b, 1 << 20), "PARAMS", "theta", 6)
-    wire.send(b, wire.Message("READY", learner=0, session=5, base=0, tokens=2, steps=2))
+    wire.send(b, wire.Message("READY", learner=0, incarnation=5, base=0, tokens=2, steps=2))
     assert got.version == 1 and torch.equal(got.tensor, merged.tensor)
     time.sleep(0.3)
     assert again.state.version == 1 and again.resent == 1 and not again.pending

@@ -45,7 +45,7 @@ class DecoupledLearner(LocalSGD):
         self.timeout_s = ls.syncer.timeout_s if ls.syncer is not None else 120.0
         self.max_bytes = int((ls.syncer.max_message_mb if ls.syncer is not None else 4096.0) * (1 << 20))
         self.learner = self._learner_id()
-        self.session = self._session()
+        self.incarnation = self._incarnation()
         self.version = 0
         self.merges = 0  # merges this learner took part in
         self.staleness: List[int] = []  # versions between this learner's base and each of its merges
@@ -67,7 +67,7 @@ class DecoupledLearner(LocalSGD):
                     return int(os.environ[name])
         return self.groups.replica
 
-    def _session(self) -> int:
+    def _incarnation(self) -> int:
         """A random number per learner process, the same on every rank of the learner (rank 0 draws it)."""
         value = random.SystemRandom().getrandbits(62)
         if self.groups.k > 1:
@@ -107,7 +107,7 @@ class DecoupledLearner(LocalSGD):
         return wire.expect(msg, kind, name, self.numel if name else None)
 
     def _mine(self, kind: str, **fields) -> wire.Message:
-        return wire.Message(kind, learner=self.learner, session=self.session, **fields)
+        return wire.Message(kind, learner=self.learner, incarnation=self.incarnation, **fields)
 
     def _barrier(self) -> None:
         if self.groups.k > 1:
@@ -165,7 +165,7 @@ class DecoupledLearner(LocalSGD):
         return self._recv("PARAMS", "theta")
 
     def _reconnect(self, deadline: float, err: Exception) -> None:
-        """The syncer went away (a restart): connect again (same session) until ``deadline``."""
+        """The syncer went away (a restart): connect again (same incarnation) until ``deadline``."""
         try:
             self.sock.close()
         except OSError:

@@ -53,7 +53,7 @@ class MergeRule:
         return float(self.grace)
 
     def _ready(self) -> List[int]:
-        ready = [l for l, p in self.pending.items() if p["ready"] is not None and self.live.get(l) == p["session"]]
+        ready = [l for l, p in self.pending.items() if p["ready"] is not None and self.live.get(l) == p["incarnation"]]
         return sorted(ready, key=lambda l: (self.pending[l]["ready"], l))  # arrival order, then learner id
 
     def _merge_deadline(self) -> Optional[float]:
@@ -74,7 +74,7 @@ class MergeRule:
             return
         if not (set(self.live) <= set(ready) or time.monotonic() >= deadline):
             return
-        members = [(l, self.pending[l]["session"]) for l in ready]
+        members = [(l, self.pending[l]["incarnation"]) for l in ready]
         version = self.state.version + 1
         payload = wire.int64s(v for pair in members for v in pair)
         for f in list(self.followers):
@@ -85,7 +85,7 @@ class MergeRule:
         self._merge(members, version)
 
     def _merge(self, members, version: int) -> None:
-        missing = [l for l, s in members if self.pending.get(l, {}).get("session") != s]
+        missing = [l for l, s in members if self.pending.get(l, {}).get("incarnation") != s]
         if missing:
             raise RuntimeError(f"syncer shard {self.index}: merge {version} names learners {missing} whose "
                                f"pseudo-gradient slice this shard does not hold")
@@ -102,29 +102,29 @@ class MergeRule:
         self.checkpoint(record)
         for (l, s), e in zip(members, entries):
             conn = e["conn"]
-            if self.conns.get(conn, {}).get("session") != s:
+            if self.conns.get(conn, {}).get("incarnation") != s:
                 continue  # gone since: nothing to send
             try:
-                self._send(conn, wire.Message("PARAMS", learner=l, session=s, version=self.state.version,
+                self._send(conn, wire.Message("PARAMS", learner=l, incarnation=s, version=self.state.version,
                                               name="theta", tensor=self.state.x))
             except OSError:
                 pass
 
     # ---------------------------------------------------------------- from shard 0, and the end
-    def _drop(self, learner: int, session: int) -> None:
+    def _drop(self, learner: int, incarnation: int) -> None:
         p = self.pending.get(learner)
-        if p is not None and p["session"] == session:
+        if p is not None and p["incarnation"] == incarnation:
             del self.pending[learner]
         for f in self.followers:
             try:
-                self._send(f, wire.Message("DROP", learner=learner, session=session))
+                self._send(f, wire.Message("DROP", learner=learner, incarnation=incarnation))
             except OSError:
                 pass
 
     def _from_leader(self, msg: wire.Message) -> None:
         if msg.kind == "DROP":
             p = self.pending.get(msg.learner)
-            if p is not None and p["session"] == msg.session:
+            if p is not None and p["incarnation"] == msg.incarnation:
                 del self.pending[msg.learner]
         elif msg.kind == "MERGE":
             pairs = wire.expect(msg, "MERGE").tensor.tolist()

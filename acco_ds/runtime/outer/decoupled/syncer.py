@@ -59,12 +59,12 @@ class Shard(MergeRule):
         self.server = socket.create_server((host, port), reuse_port=False)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.port = self.server.getsockname()[1]
-        self.conns: Dict[socket.socket, dict] = {}  # conn -> {"learner", "session", "follower"}
+        self.conns: Dict[socket.socket, dict] = {}  # conn -> {"learner", "incarnation", "follower"}
         self.followers: List[socket.socket] = []
         self.leader: Optional[socket.socket] = None
-        self.live: Dict[int, int] = {}  # shard 0: learner -> session of its rank-0 connection
+        self.live: Dict[int, int] = {}  # shard 0: learner -> incarnation of its rank-0 connection
         self.live_conn: Dict[int, socket.socket] = {}  # shard 0: learner -> that connection
-        self.pending: Dict[int, dict] = {}  # learner -> {"session", "base", "tokens", "steps", "delta", "ready"}
+        self.pending: Dict[int, dict] = {}  # learner -> {"incarnation", "base", "tokens", "steps", "delta", "ready"}
         self.done: set = set()
         self.seen: set = set()
         self.last_arrival: Dict[int, float] = {}
@@ -72,7 +72,7 @@ class Shard(MergeRule):
         self.log: List[dict] = []
         self.refused = 0
         self.resent = 0  # re-sent Δs recognised as merged already
-        self.merged: Dict[int, tuple] = {}  # learner -> (session, base) of its last merged Δ
+        self.merged: Dict[int, tuple] = {}  # learner -> (incarnation, base) of its last merged Δ
         self.bytes_in = self.bytes_out = 0
         self.stopped = threading.Event()
         self.resume()
@@ -172,12 +172,12 @@ class Shard(MergeRule):
         info = self.conns.pop(conn, None)
         if info is None or self.index != 0:
             return
-        learner, session = info["learner"], info["session"]
-        if self.live.get(learner) == session and self.live_conn.get(learner) is conn:  # rank 0 left before DONE
+        learner, incarnation = info["learner"], info["incarnation"]
+        if self.live.get(learner) == incarnation and self.live_conn.get(learner) is conn:  # rank 0 left before DONE
             del self.live[learner], self.live_conn[learner]
             if learner not in self.done:
                 self.say(f"learner {learner} left before it was done: its pseudo-gradient in flight is dropped")
-            self._drop(learner, session)
+            self._drop(learner, incarnation)
 
     def _check_slice(self, msg: wire.Message, name: str) -> None:
         numel = None if self.state.empty else self.state.x.numel()
@@ -194,22 +194,22 @@ class Shard(MergeRule):
             self.followers.append(conn)
             return
         if kind == "HELLO":
-            self.conns[conn] = {"learner": msg.learner, "session": msg.session}
+            self.conns[conn] = {"learner": msg.learner, "incarnation": msg.incarnation}
             self.seen.add(msg.learner)
             self.done.discard(msg.learner)
             if self.index == 0:
                 old = self.live.get(msg.learner)
-                if old is not None and old != msg.session:  # relaunched: the old session's Δ is void
+                if old is not None and old != msg.incarnation:  # relaunched: the old incarnation's Δ is void
                     self._drop(msg.learner, old)
-                self.live[msg.learner] = msg.session
+                self.live[msg.learner] = msg.incarnation
                 self.live_conn[msg.learner] = conn
             self._send(conn, wire.Message("STATE", version=self.state.version))
             return
         if info is None:
             raise wire.WireError("kind", f"{kind} before HELLO")
-        if (msg.learner, msg.session) != (info["learner"], info["session"]):
-            raise wire.WireError("learner", f"learner {msg.learner} session {msg.session} on the connection of "
-                                            f"learner {info['learner']} session {info['session']}")
+        if (msg.learner, msg.incarnation) != (info["learner"], info["incarnation"]):
+            raise wire.WireError("learner", f"learner {msg.learner} incarnation {msg.incarnation} on the connection of "
+                                            f"learner {info['learner']} incarnation {info['incarnation']}")
         if kind == "INIT":
             self._check_slice(msg, "theta")
             if self.state.empty:
@@ -229,23 +229,23 @@ class Shard(MergeRule):
             lo, hi = torch.aminmax(msg.tensor) if msg.tensor.numel() else (torch.zeros(()), torch.zeros(()))
             if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):  # NaN propagates, ±inf shows
                 raise wire.WireError("delta", "holds inf or NaN")
-            if self.merged.get(msg.learner) == (msg.session, msg.base):  # re-sent after a restart: merged already
+            if self.merged.get(msg.learner) == (msg.incarnation, msg.base):  # re-sent after a restart: merged already
                 self._send(conn, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
-                self._send(conn, wire.Message("PARAMS", learner=msg.learner, session=msg.session,
+                self._send(conn, wire.Message("PARAMS", learner=msg.learner, incarnation=msg.incarnation,
                                               version=self.state.version, name="theta", tensor=self.state.x))
                 self.resent += 1
                 return
             self.bytes_in += msg.tensor.numel() * 4
-            self.pending[msg.learner] = {"session": msg.session, "base": msg.base, "tokens": msg.tokens,
+            self.pending[msg.learner] = {"incarnation": msg.incarnation, "base": msg.base, "tokens": msg.tokens,
                                          "steps": msg.steps, "delta": msg.tensor, "ready": None, "conn": conn}
             self._send(conn, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
         elif kind == "READY":
             if self.index != 0:
                 raise wire.WireError("kind", f"READY sent to shard {self.index}, only shard 0 leads")
             p = self.pending.get(msg.learner)
-            if self.merged.get(msg.learner) == (msg.session, msg.base) and (p is None or p["base"] != msg.base):
+            if self.merged.get(msg.learner) == (msg.incarnation, msg.base) and (p is None or p["base"] != msg.base):
                 return  # the READY of a re-sent Δ this shard had merged: its PARAMS went with the ACK
-            if p is None or p["session"] != msg.session or p["base"] != msg.base:
+            if p is None or p["incarnation"] != msg.incarnation or p["base"] != msg.base:
                 raise wire.WireError("base", f"READY of learner {msg.learner} from version {msg.base} without its Δ")
             now = time.monotonic()
             p["ready"] = now
@@ -256,7 +256,7 @@ class Shard(MergeRule):
             self.last_arrival[msg.learner] = now
         elif kind == "DONE":
             self.done.add(msg.learner)
-            if self.index == 0 and self.live.get(msg.learner) == msg.session:
+            if self.index == 0 and self.live.get(msg.learner) == msg.incarnation:
                 del self.live[msg.learner], self.live_conn[msg.learner]
         else:
             raise wire.WireError("kind", f"{kind} is not sent to a syncer shard")

@@ -13,7 +13,7 @@ checked.
 
 Header (little-endian, ``HEADER.size`` = 76 bytes), then ``name_len`` bytes of name, then ``payload`` bytes::
 
-    magic "ACDL" | protocol u16 | kind u16 | learner u32 | session u64 | version u64 | base u64 |
+    magic "ACDL" | protocol u16 | kind u16 | learner u32 | incarnation u64 | version u64 | base u64 |
     tokens u64 | steps u32 | dtype u8 | ndim u8 | name_len u16 | shape 2 x u64 | payload u64
 
 A message that breaks a rule raises ``WireError`` naming the field and the rule; the receiver then drops the
@@ -36,7 +36,7 @@ MAX_NAME = 64
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
 
 KINDS = {
-    1: "HELLO",  # learner -> shard: learner id, session; the shard answers STATE
+    1: "HELLO",  # learner -> shard: learner id, incarnation; the shard answers STATE
     2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet)
     3: "INIT",  # learner -> shard: "theta", the starting weights of an empty syncer
     4: "GET",  # learner -> shard: send the current θ_g
@@ -46,8 +46,8 @@ KINDS = {
     8: "READY",  # learner rank 0 -> shard 0: every rank's Δ is held, the learner is pending
     9: "DONE",  # learner -> shard: finished for good
     10: "FOLLOW",  # shard j -> shard 0: shard j takes merge decisions from here
-    11: "MERGE",  # shard 0 -> shard j: "learners" (int64 pairs learner, session) make ``version``
-    12: "DROP",  # shard 0 -> shard j: forget the Δ of (learner, session)
+    11: "MERGE",  # shard 0 -> shard j: "learners" (int64 pairs learner, incarnation) make ``version``
+    12: "DROP",  # shard 0 -> shard j: forget the Δ of (learner, incarnation)
     13: "ERROR",  # either way: "text" (utf-8) saying why the connection is dropped
 }
 KIND = {name: code for code, name in KINDS.items()}
@@ -73,7 +73,7 @@ class Closed(ConnectionError):
 class Message:
     kind: str
     learner: int = 0
-    session: int = 0
+    incarnation: int = 0
     version: int = 0
     base: int = 0
     tokens: int = 0
@@ -100,7 +100,7 @@ def encode(msg: Message) -> Tuple[bytes, memoryview]:
         dtype, shape = DTYPE_CODE[t.dtype], tuple(t.shape)
         payload = memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
     dims = list(shape) + [0] * (2 - len(shape))
-    head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.session, msg.version, msg.base, msg.tokens,
+    head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.incarnation, msg.version, msg.base, msg.tokens,
                        msg.steps, dtype, len(shape), len(name), *dims, payload.nbytes)
     return head + name, payload
 
@@ -127,7 +127,7 @@ def _read_exact(sock: socket.socket, n: int, into: Optional[memoryview] = None) 
 
 def parse_header(raw: bytes, max_bytes: int) -> dict:
     """Check every field of a header; returns them. Raises ``WireError`` naming the first bad field."""
-    (magic, protocol, kind, learner, session, version, base, tokens, steps, dtype, ndim, name_len, d0, d1,
+    (magic, protocol, kind, learner, incarnation, version, base, tokens, steps, dtype, ndim, name_len, d0, d1,
      payload) = HEADER.unpack(raw)
     if magic != MAGIC:
         raise WireError("magic", f"{magic!r} is not {MAGIC!r}: not an acco_ds decoupled message")
@@ -157,7 +157,7 @@ def parse_header(raw: bytes, max_bytes: int) -> dict:
                                        f"{DTYPES[dtype]} is {numel * itemsize} bytes")
     if payload > max_bytes:
         raise WireError("payload", f"{payload} bytes, above the limit of {max_bytes} bytes (syncer.max_message_mb)")
-    return dict(kind=KINDS[kind], learner=learner, session=session, version=version, base=base, tokens=tokens,
+    return dict(kind=KINDS[kind], learner=learner, incarnation=incarnation, version=version, base=base, tokens=tokens,
                 steps=steps, dtype=DTYPES[dtype], shape=dims, name_len=name_len, payload=payload)
 
 
@@ -174,7 +174,7 @@ def recv(sock: socket.socket, max_bytes: int) -> Message:
         tensor = torch.empty(h["shape"], dtype=h["dtype"])
         if h["payload"]:
             _read_exact(sock, h["payload"], memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B"))
-    return Message(h["kind"], h["learner"], h["session"], h["version"], h["base"], h["tokens"], h["steps"],
+    return Message(h["kind"], h["learner"], h["incarnation"], h["version"], h["base"], h["tokens"], h["steps"],
                    name_raw.decode("ascii"), tensor)
 
 
