@@ -294,8 +294,7 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
                 logger.warning(f"ACCO: could not commit the last step while destroying the engine: {err}")
             opt.comm.close()
         super().destroy()
-        lifetime.destroy(self._acco_groups)
-        lifetime.forget(self)
+        lifetime.release(self, self._acco_groups)
 
 
 def _check_config(acco, config_class, client_optimizer: bool):

@@ -232,8 +232,7 @@ class FSDPLocalSGD(OuterLoopHost, torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         self.outer.close()
-        lifetime.destroy(getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
-        lifetime.forget(self)
+        lifetime.release(self, getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
 
 
 def _local(value):

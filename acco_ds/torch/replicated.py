@@ -263,8 +263,7 @@ class ACCOOptimizer(RoundDriver, torch.optim.Optimizer):
             h.remove()
         self._module_hooks = []
         self.close_rounds()
-        lifetime.destroy(getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
-        lifetime.forget(self)
+        lifetime.release(self, getattr(self, "acco_groups", []))  # made by acco_ds.torch.initialize
 
 
 __all__ = ["ACCOOptimizer", "flatten"]

@@ -24,6 +24,7 @@ torch asks scripts to do with ``destroy_process_group()``.
 import atexit
 import contextlib
 import gc
+import sys
 import threading
 import weakref
 from datetime import timedelta
@@ -94,8 +95,9 @@ def end_at_exit(owner, close: Callable[[object], None]) -> None:
             _armed = True
 
 
-def forget(owner) -> None:
-    """``owner`` closed itself: nothing of it is left for the exit handler."""
+def release(owner, groups: list) -> None:
+    """``owner`` closed itself: destroy its ``groups``, and leave nothing of it to the exit handler."""
+    destroy(groups)
     with _lock:
         _closers.pop(id(owner), None)
 
@@ -122,7 +124,6 @@ def _at_exit() -> None:
 
 
 def _warn(message: str) -> None:
-    import sys
     print(message, file=sys.stderr, flush=True)
 
 
@@ -136,4 +137,4 @@ def owners() -> List[object]:
     return [owner for owner in (ref() for ref, _ in list(_closers.values())) if owner is not None]
 
 
-__all__ = ["new_group", "new_subgroups", "owned_by", "destroy", "end_at_exit", "forget", "is_armed", "owners"]
+__all__ = ["new_group", "new_subgroups", "owned_by", "destroy", "end_at_exit", "release", "is_armed", "owners"]
