@@ -49,7 +49,8 @@ p.add_argument("--skip-local-sgd", action="store_true", help="leave out the loca
                "runs on CPU/gloo)")
 p.add_argument("--repeats", type=int, default=None, help="runs of every mode, interleaved (stock, acco, dpu, "
                "sync, stock, ...); each mode's fastest counts (default 2 on CUDA, 1 on the CPU)")
-p.add_argument("--profile", action="store_true", help="profile micro-batches 2-8 after warm-up of every run")
+p.add_argument("--profile", action="store_true", help="after the timed runs, profile 3 steps after warm-up of stock, "
+               "stock_fused and sync in short runs of their own")
 p.add_argument("--budget-s", type=float, default=450.0, help="the pytest section gets what is left of this")
 args = p.parse_args()
 os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
@@ -264,7 +265,9 @@ def ds_config(mode):
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": LR,
                                                         "warmup_num_steps": max(2, STEPS // 10),
                                                         "warmup_type": "linear"}}}
-    if mode != "stock":
+    if mode == "stock_fused":  # stock with DeepSpeed's FusedAdam (multi-tensor CUDA kernel) instead of torch's
+        cfg["optimizer"]["params"]["torch_adam"] = False
+    elif mode != "stock":
         cfg["acco"] = {"enabled": True, "mode": mode}
     return cfg
 
@@ -290,8 +293,9 @@ def free_memory():
         torch.cuda.reset_peak_memory_stats()
 
 
-def train(mode, data):
-    """One run: forward, engine.backward, engine.step every micro-batch (DeepSpeed semantics)."""
+def train(mode, data, profile=False):
+    """One run: forward, engine.backward, engine.step every micro-batch (DeepSpeed semantics). ``profile``: a
+    short run apart (the profiler's cost stays out of the timed runs), micro-batches after warm-up profiled."""
     import deepspeed
     import acco_ds
     init_dist()
@@ -302,10 +306,11 @@ def train(mode, data):
     model = GPT(**SHAPE)
     groups = [{"params": [q for q in model.parameters() if q.dim() >= 2], "weight_decay": 0.1},
               {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}]
-    initialize = deepspeed.initialize if mode == "stock" else acco_ds.initialize
+    stock = mode.startswith("stock")
+    initialize = deepspeed.initialize if stock else acco_ds.initialize
     engine, *_ = initialize(model=model, model_parameters=groups, config=ds_config(mode))
     run = {"mode": mode}
-    if mode != "stock":
+    if not stock:
         est = acco_ds.estimate_memory(model, gpus=1, dtype=DTYPE, mode=mode, verbose=False)
         run["estimate"] = {k: v for k, v in est.items() if k.endswith("bytes")}
         with contextlib.suppress(Exception):  # the buffers alone (extra_bytes is net of stock's gradients)
@@ -319,9 +324,10 @@ def train(mode, data):
                 pass
 
     losses, t_warm = [], None
-    first = min((WARM_STEPS + 1) * GAS, STEPS * GAS - 2)
-    prof = gpu_model.StepProfiler(first, min(first + 3 * GAS, STEPS * GAS), CUDA) if args.profile else None
-    for i in range(STEPS * GAS):
+    steps = min(STEPS, WARM_STEPS + 4) if profile else STEPS
+    first = min((WARM_STEPS + 1) * GAS, steps * GAS - 2)
+    prof = gpu_model.StepProfiler(first, min(first + 3 * GAS, steps * GAS), CUDA) if profile else None
+    for i in range(steps * GAS):
         if prof is not None:
             prof.step(i)
         if i == WARM_STEPS * GAS:
@@ -339,8 +345,8 @@ def train(mode, data):
     elapsed = time.perf_counter() - t_warm
     micro = torch.stack(losses).float().tolist()
     run.update(losses=[sum(micro[k:k + GAS]) / GAS for k in range(0, len(micro), GAS)],  # per optimizer step
-               global_steps=engine.global_steps, measured_steps=STEPS - WARM_STEPS, measured_s=elapsed,
-               tokens_per_s=(STEPS - WARM_STEPS) * GAS * MICRO * SHAPE["block_size"] / elapsed)
+               global_steps=engine.global_steps, measured_steps=steps - WARM_STEPS, measured_s=elapsed,
+               tokens_per_s=(steps - WARM_STEPS) * GAS * MICRO * SHAPE["block_size"] / elapsed)
     if CUDA:
         run.update(peak_bytes=torch.cuda.max_memory_allocated() - base,
                    memory_kind="torch.cuda.max_memory_allocated minus what was allocated before the run")
@@ -377,6 +383,8 @@ def train_modes(modes):
 
 
 DATA = {}
+# stock_fused: stock with DeepSpeed's FusedAdam, a CUDA kernel (on the CPU it would be DeepSpeed's CPU Adam)
+MODES = ["stock", "acco", "dpu", "sync"] + (["stock_fused"] if CUDA else [])
 
 
 def training():
@@ -387,7 +395,7 @@ def training():
     # mode's fastest run counts, and the spread of stock's own runs is the noise floor of the comparison.
     runs, errors, every, stock_noise = {}, {}, {}, None
     for _ in range(REPEATS):
-        got, failed = train_modes(["stock", "acco", "dpu", "sync"])
+        got, failed = train_modes(MODES)
         errors.update(failed)
         for mode, run in got.items():
             every.setdefault(mode, []).append(run)
@@ -397,8 +405,17 @@ def training():
     if len(every.get("stock", [])) >= 2:
         first, second = every["stock"][:2]
         stock_noise = max(abs(a - b) for a, b in zip(first["losses"], second["losses"]))
+    if args.profile:  # where stock's step and sync's differ: top ops by device and by CPU time
+        profiles = {}
+        for mode in [m for m in ("stock", "stock_fused", "sync") if m in MODES]:
+            with contextlib.suppress(Exception):
+                profiles[mode] = train(mode, DATA["corpus"], profile=True)["profile"]
+        for mode, tables in profiles.items():
+            for key, table in (tables or {}).items():
+                log(f"profile {mode}, by {key}:\n" + "\n".join(table.splitlines()[:14]))
     out = {"model": SHAPE, "dtype": DTYPE, "micro_batch": MICRO, "gradient_accumulation_steps": GAS,
-           "steps": STEPS, "repeats": REPEATS, "warmup_steps": WARM_STEPS, "runs": runs, "errors": errors}
+           "steps": STEPS, "repeats": REPEATS, "warmup_steps": WARM_STEPS, "runs": runs, "errors": errors,
+           "profiles": profiles if args.profile else None}
     if "stock" in runs and "sync" in runs:
         out["sync_vs_stock_max_loss_diff"] = max(abs(a - b) for a, b in zip(runs["sync"]["losses"],
                                                                               runs["stock"]["losses"]))
@@ -415,28 +432,46 @@ section("training", training)
 
 
 def local_sgd():
-    """diloco, co2, edit, A-EDiT on 2 ranks, and A-EDiT's save (tag agreed by all-reduce) and resume
-    (``gpu_local_sgd.py``). NCCL needs a GPU per rank: with fewer than 2 GPUs the ranks run on CPU/gloo."""
+    """diloco, streaming, sparseloco, co2, edit, decoupled, A-EDiT on 2 ranks, and A-EDiT's save (tag agreed by
+    all-reduce) and resume (``gpu_local_sgd.py``). NCCL needs a GPU per rank: with one GPU both ranks share it
+    over gloo with CUDA tensors."""
     import gpu_local_sgd
     gpus = torch.cuda.device_count() if CUDA else 0
-    device = "cuda" if gpus >= 2 else "cpu"
-    out = gpu_local_sgd.launch(device, TINY, Path(args.out).with_suffix(".local_sgd"), timeout_s=400)
+    out = gpu_local_sgd.launch(DEV, TINY, Path(args.out).with_suffix(".local_sgd"), timeout_s=180)
     resume = out["a_edit_resume"]
     for mode, r in out["runs"].items():
-        log(f"{mode:<6} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
+        log(f"{mode:<10} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
             f"| {r['syncs']} syncs | one model after finalize: {r['one_model_after_finalize']}")
     log(f"A-EDiT save (tag {resume['tag']}) and resume: committed weights equal {resume['loaded_equals_saved']}")
-    why = None if device == "cuda" else (f"{gpus} GPU(s): NCCL needs one per rank, so the 2 local-SGD ranks ran on "
-                                         "CPU with gloo")
-    ok = resume["loaded_equals_saved"] and all(r["one_model_after_finalize"] for r in out["runs"].values())
-    return {"status": f"ran {', '.join(out['runs'])} and A-EDiT save/resume on {out['backend']}", "note": why,
-            "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
+    why = None if gpus >= 2 or not CUDA else (f"{gpus} GPU: NCCL needs one per rank, so the 2 ranks shared it over "
+                                              f"gloo with CUDA tensors ({out['device']})")
+    learned = all(r["losses"][-1] < r["losses"][0] for r in out["runs"].values())  # 6 tiny steps may not
+    ok = resume["loaded_equals_saved"] and all(r["one_model_after_finalize"] for r in out["runs"].values()) and \
+        (learned or TINY)
+    return {"status": f"ran {', '.join(out['runs'])} and A-EDiT save/resume on {out['backend']} ({out['device']})",
+            "note": why, "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
+
+
+def moe():
+    """The MoE GPT (``deepspeed.moe.layer.MoE``, ep_size 2) under stock ZeRO-1, sync and acco on 2 ranks."""
+    import gpu_local_sgd
+    out = gpu_local_sgd.launch(DEV, TINY, Path(args.out).with_suffix(".moe"), timeout_s=120, moe=True)
+    for mode, r in out["runs"].items():
+        log(f"MoE {mode:<6} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> "
+            f"{r['losses'][-1]:.4f} | dense weights equal on both ranks: {r['dense_same_on_every_rank']}")
+    log(f"MoE sync vs stock max loss difference {out['sync_vs_stock_max_loss_diff']:.3g}")
+    ok = all(r["finite"] and r["dense_same_on_every_rank"] and (r["losses"][-1] < r["losses"][0] or TINY)
+             for r in out["runs"].values())
+    return {"status": f"stock, sync, acco with {out['moe']} on {out['backend']} ({out['device']})", **out,
+            "autoep": "not run here: AutoEP trains on CPU ranks (tests/test_autoep.py), it does not need CUDA",
+            "ok": ok}
 
 
 if args.skip_local_sgd:
     RESULT["sections"]["local_sgd"] = {"ok": True, "status": "skipped (--skip-local-sgd)", "a_edit_resume": {}}
 else:
     section("local_sgd", local_sgd)
+    section("moe", moe)
 
 # ------------------------------------------------ c (end). the kernel tests (KERNEL_TESTS)
 

@@ -183,7 +183,7 @@ def sparse_timing(native, device, tiny, repeats, log):
     chunk, topk, bits = SPARSE["chunk"], SPARSE["topk"], SPARSE["value_bits"]
     kw = dict(topk=topk, value_bits=bits)
     rows = []
-    for n in ([2**20] if tiny else [2**26]):
+    for n in ([2**20] if tiny else [2**26, 2**30] if cuda else [2**26]):
         offsets = R.chunk_offsets([n], chunk)
         e, out = torch.randn(n, device=device), torch.zeros(n, device=device)
         payload = native.sparse_pack(e.clone(), offsets, **kw)
@@ -215,6 +215,8 @@ def sparse_summary_rows(sections, verdict):
              f" cases bit-exact" if c.get("ok") else f"FAILED: {c.get('error')}", "all",
              verdict(c.get("all_pass", False)))]
     for r in (sections["timing"].get("sparse") or {}).get("rows", []):
+        big = r["numel"] >= 2**26
         rows.append((f"{r['kernel']} @ {r['numel'] / 2**20:g}M", f"{r['native_ms']:.3f} ms, {r['speedup']:.1f}x torch, "
-                     f"{100 * r['native_vs_copy']:.0f}% of a copy of {r['copy_bytes'] / 2**20:.1f} MiB", "-", "n/a"))
+                     f"{100 * r['native_vs_copy']:.0f}% of a copy of {r['copy_bytes'] / 2**20:.1f} MiB",
+                     ">= 3x torch" if big else "-", verdict(r["speedup"] >= 3 if big else None)))
     return rows

@@ -35,12 +35,18 @@ def batch(data, i, micro, block_size, device, seed=1_000_003):
 
 
 class Block(nn.Module):
+    """A pre-LN block; with ``moe`` (``deepspeed.moe.layer.MoE`` keywords: num_experts, ep_size, k) its MLP is
+    a DeepSpeed mixture of experts whose load-balancing loss ``l_aux`` the block keeps for the model's loss."""
 
-    def __init__(self, n_embd, n_head):
+    def __init__(self, n_embd, n_head, moe=None):
         super().__init__()
         self.n_head, self.ln1, self.ln2 = n_head, nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
         self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.l_aux = None
+        if moe is not None:
+            from deepspeed.moe.layer import MoE
+            self.mlp = MoE(n_embd, self.mlp, **moe)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -48,21 +54,25 @@ class Block(nn.Module):
                    for t in self.qkv(self.ln1(x)).split(C, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        if not isinstance(self.mlp, nn.Sequential):
+            out, self.l_aux, _ = self.mlp(self.ln2(x))
+            return x + out
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """GPT-2 shaped: token + position embeddings, pre-LN blocks, tied output head; returns the loss."""
 
-    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
+    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size, moe=None, aux_weight=0.01):
         super().__init__()
+        self.aux_weight = aux_weight
         self.tok, self.pos = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, moe) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         for mod in self.modules():
             if isinstance(mod, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(mod.weight, std=0.02)
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear) and mod.bias is not None:  # an MoE gate has none
                 nn.init.zeros_(mod.bias)
 
     def forward(self, idx, targets):
@@ -70,7 +80,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.tok.weight.t()
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        aux = [b.l_aux for b in self.blocks if b.l_aux is not None]
+        return loss + self.aux_weight * sum(aux) if aux else loss
 
 
 class StepProfiler:

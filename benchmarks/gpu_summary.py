@@ -38,10 +38,12 @@ def summary_rows(S, CUDA):
     rows += sparse_summary_rows(S, verdict)
     tr = S["training"]
     runs = tr.get("runs") or {}
-    for mode, r in runs.items():
-        if mode != "stock" and "stock" in runs:
-            rel = r["tokens_per_s"] / runs["stock"]["tokens_per_s"] - 1
-            rows.append((f"{mode} vs stock tokens/s", f"{100 * rel:+.1f}%", ">= -5%", verdict(rel >= -0.05 if CUDA else None)))
+    for base in ("stock", "stock_fused"):  # stock with torch's AdamW, and with DeepSpeed's FusedAdam
+        for mode, r in runs.items():
+            if not mode.startswith("stock") and base in runs:
+                rel = r["tokens_per_s"] / runs[base]["tokens_per_s"] - 1
+                rows.append((f"{mode} vs {base} tokens/s", f"{100 * rel:+.1f}%", ">= -5%",
+                             verdict(rel >= -0.05 if CUDA else None)))
     stock = runs.get("stock")
     if stock and len(stock.get("tokens_per_s_all", [])) >= 2:
         spread = max(stock["tokens_per_s_all"]) / min(stock["tokens_per_s_all"]) - 1
@@ -64,7 +66,13 @@ def summary_rows(S, CUDA):
                          f"{bound / 2**20:,.1f}; buffers {r['buffer_bytes'] / 2**20:,.1f} MiB, estimated "
                          f"{r['estimate'].get('buffer_bytes', float('nan')) / 2**20:,.1f}", "<= +5%",
                          verdict(r["peak_bytes"] <= 1.05 * bound if CUDA else None)))
-    rows.append(("local-SGD modes", S["local_sgd"].get("status", "FAILED"), "-", "n/a"))
+    rows.append(("local-SGD modes", S["local_sgd"].get("status", "FAILED"), "run, loss down, one model",
+                 verdict(S["local_sgd"].get("ok"))))
+    if "moe" in S:
+        m = S["moe"]
+        rows.append(("MoE ep_size 2", m.get("status", "FAILED") + (f"; sync vs stock max loss diff "
+                     f"{m['sync_vs_stock_max_loss_diff']:.2e}" if "sync_vs_stock_max_loss_diff" in m else ""),
+                     "run, loss down", verdict(m.get("ok"))))
     resume = S["local_sgd"].get("a_edit_resume") or {}
     rows.append(("A-EDiT save/resume", f"tag {resume.get('tag')}, loaded = saved: {resume.get('loaded_equals_saved')}",
                  "bit for bit", verdict(resume.get("loaded_equals_saved"))))

@@ -12,7 +12,8 @@ from dist import ROOT, run_in_session
 
 pytestmark = pytest.mark.slow  # multi-process: `make test-fast` leaves it out
 
-SECTIONS = ["environment", "build", "correctness", "timing", "quantization", "training", "local_sgd", "pytest", "summary"]
+SECTIONS = ["environment", "build", "correctness", "timing", "quantization", "training", "local_sgd", "moe", "pytest",
+            "summary"]
 MODES = ["stock", "acco", "dpu", "sync"]
 
 
@@ -66,13 +67,19 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert training["sync_vs_stock_max_loss_diff"] <= 1e-5
 
     local = sections["local_sgd"]  # 2 CPU ranks here (gloo), 2 replicas of 1
-    assert list(local["runs"]) == ["diloco", "co2", "edit"], local["status"]
+    assert list(local["runs"]) == ["diloco", "streaming", "sparseloco", "co2", "edit", "decoupled"], local["status"]
     for mode, run in local["runs"].items():
         assert run["syncs"] >= 2 and all(math.isfinite(x) for x in run["losses"]), (mode, run)
         assert run["one_model_after_finalize"], mode
     resume = local["a_edit_resume"]  # saved without a tag: the ranks agreed on it (an all-reduce)
     assert resume["tag"].startswith("global_step") and resume["loaded_equals_saved"] is True, resume
     assert resume["syncs_after"] > resume["syncs_at_load"] and resume["one_model_after_finalize"], resume
+    moe = sections["moe"]  # the MoE GPT, ep_size 2, on one replica of 2 CPU ranks
+    assert list(moe["runs"]) == ["stock", "sync", "acco"] and moe["moe"]["ep_size"] == 2, moe["status"]
+    for mode, run in moe["runs"].items():
+        assert run["finite"] and run["dense_same_on_every_rank"] and run["experts_on_rank"] > 0, (mode, run)
+    # sync is stock's update on the expert groups too; bf16 here: one rounding flip apart at most (fp32: tests/test_moe.py)
+    assert moe["sync_vs_stock_max_loss_diff"] <= 1e-3
     assert sections["pytest"]["skipped"] is True
     checks = {row["check"]: row for row in sections["summary"]["rows"]}
     assert checks["sync vs stock losses"]["verdict"] == "met"

@@ -8,6 +8,8 @@ rounded, 1 ulp off for ~15% of inputs) while the kernels use IEEE sqrtf. The cas
 
 import itertools
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +234,46 @@ def test_cuda_adamw_update_matches_reference(out_dtype):
             assert torch.equal(og, got[0].to(out_dtype))
         else:
             assert all(torch.equal(a, b) for a, b in zip(got, before))
+
+
+# What a TORCH_CHECK message may stream: string literals and text, and torch's own types (streamed as their names).
+# A number streamed into it crashed the process (SIGSEGV, not an error) where the op was built by the system g++
+# against a torch wheel built by another toolchain (an H200 image: g++ 13.3, torch 2.11): numbers go in as
+# ``num(...).text`` / ``num_real(...).text``.
+_SAFE_MESSAGE_PART = re.compile(r'^(".*"|.*\.text|.*scalar_type\(\)|.*device\(\)|device|dtype|name|x_name|'
+                                r'pair\.second)$', re.S)
+
+
+def _torch_checks(text):
+    """(line, [condition, message parts...]) of every TORCH_CHECK call in C++ source ``text``."""
+    for m in re.finditer(r"\bTORCH_CHECK\(", text):
+        i, depth, start, quoted, parts = m.end(), 1, m.end(), False, []
+        while depth:
+            c = text[i]
+            if c == '"' and text[i - 1] != "\\":
+                quoted = not quoted
+            elif not quoted and c in "([{":
+                depth += 1
+            elif not quoted and c in ")]}":
+                depth -= 1
+            elif not quoted and c == "," and depth == 1:
+                parts.append(text[start:i])
+                start = i + 1
+            i += 1
+        parts.append(text[start:i - 1])
+        yield text.count("\n", 0, m.start()) + 1, [" ".join(p.split()) for p in parts]
+
+
+def test_error_messages_stream_no_bare_numbers():
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    found, bad = 0, []
+    for path in sorted(csrc.rglob("*")):
+        if path.suffix in (".h", ".cpp", ".cu"):
+            for line, parts in _torch_checks(path.read_text()):
+                found += 1
+                bad += [f"{path.name}:{line}: {p}" for p in parts[1:] if not _SAFE_MESSAGE_PART.match(p.strip())]
+    assert found > 20, "the scan found no TORCH_CHECK calls: csrc moved?"
+    assert not bad, "stream numbers as num(x).text or num_real(x).text:\n" + "\n".join(bad)
+    # the scan itself catches a bare number
+    assert [p for _, parts in _torch_checks('TORCH_CHECK(w >= 0, "got ", w);') for p in parts[1:]
+            if not _SAFE_MESSAGE_PART.match(p)] == ["w"]

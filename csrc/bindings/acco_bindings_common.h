@@ -17,13 +17,19 @@ namespace bindings {
 
 // A number for an error message, as text. TORCH_CHECK streams its arguments into a std::ostringstream; on the GPU
 // image (this op built by Ubuntu's g++ 13.3 against a torch 2.11 wheel built with gcc-toolset-13) streaming an
-// integer there crashed the process (SIGSEGV) where strings did not, so numbers go in as digits from snprintf.
+// integer or a double there crashed the process (SIGSEGV) where strings did not, so numbers go in as text from
+// snprintf.
 struct Num {
-  char text[24];
+  char text[32];
 };
 inline Num num(int64_t v) {
   Num r;
   std::snprintf(r.text, sizeof r.text, "%lld", static_cast<long long>(v));
+  return r;
+}
+inline Num num_real(double v) {
+  Num r;
+  std::snprintf(r.text, sizeof r.text, "%.17g", v);
   return r;
 }
 
@@ -185,7 +191,7 @@ inline SparseWeights check_sparse_payloads(const torch::Tensor& out, const std::
   for (size_t i = 0; i < r; ++i) {
     check_sparse_payload(out, indices[i], values[i], scales[i], layout, value_bits, device);
     TORCH_CHECK(std::isfinite(weights[i]) && weights[i] >= 0.0, "weight ", num(i).text,
-                " must be finite and >= 0, got ", weights[i]);
+                " must be finite and >= 0, got ", num_real(weights[i]).text);
     w.weights.push_back(static_cast<float>(weights[i]));
     total += weights[i];
   }
