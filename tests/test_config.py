@@ -175,10 +175,10 @@ def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anythi
     with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 4\)"):
         check_before_initialize(common.make_model(), mpu, {}, acco)
     from acco_ds.config import check_model  # MoE (tests/test_moe.py trains it): these modes, the rest by name
-    for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit"):
+    for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco"):
         check_model(parse_acco_config({"acco": {"enabled": True, "mode": mode}}), {}, moe=True)
-    with pytest.raises(ValueError, match='acco.mode="sparseloco" does not support MoE layers'):
-        check_model(parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco"}}), {}, moe=True)
+    with pytest.raises(ValueError, match='acco.mode="decoupled" does not support MoE layers'):
+        check_model(parse_acco_config({"acco": {"enabled": True, "mode": "decoupled"}}), {}, moe=True)
 
 
 def test_config_from_args_deepspeed_config(tmp_path):

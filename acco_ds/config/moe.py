@@ -5,7 +5,7 @@ from typing import Optional
 
 # Mixture of experts (DeepSpeed's ``deepspeed.moe.layer.MoE``): the modes whose every collective knows an expert
 # group's own partition (docs/moe.md). The others are refused by name until they do.
-MOE_MODES = ("acco", "dpu", "sync", "diloco", "co2", "edit")
+MOE_MODES = ("acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco")
 
 
 def moe_problems(acco: Optional["ACCOConfig"], pipeline_stages: int = 1) -> list:  # noqa: F821 - acco.ACCOConfig
@@ -16,20 +16,11 @@ def moe_problems(acco: Optional["ACCOConfig"], pipeline_stages: int = 1) -> list
     if pipeline_stages > 1:
         problems.append(f"ACCO does not support MoE layers in a pipeline of {pipeline_stages} stages yet: train the "
                         f'MoE model without pipeline parallelism, or set "acco": {{"enabled": false}}')
-    local = acco.local_sgd
     if acco.mode not in MOE_MODES:
         problems.append(f'acco.mode="{acco.mode}" does not support MoE layers (expert parallel groups) yet: its '
                         f'outer loop partitions every parameter group over the whole replica. Use one of '
                         f'{", ".join(MOE_MODES)} with MoE, or set "acco": {{"enabled": false}}')
-    elif local is not None and local.streaming:
-        problems.append('Streaming DiLoCo (acco.local_sgd.fragments, fragment_sync_delay, fragment_update_alpha) '
-                        'does not support MoE layers (expert parallel groups) yet: its fragments are cut by '
-                        'element offset over the replica\'s partition, which an expert group does not share. Use '
-                        'plain diloco (fragments 1, no delay, alpha 0) with MoE')
-    if acco.local and acco.fault_tolerance is not None:
-        problems.append('acco.fault_tolerance (replicas that come and go) does not support MoE layers (expert '
-                        'parallel groups) yet: healing a replica\'s expert partitions is not built. Train MoE '
-                        'without fault_tolerance')
+    # acco.fault_tolerance heals expert shards rank by rank: rank i of every replica holds the same experts.
     return problems
 
 

@@ -88,18 +88,36 @@ def replica_expert_groups(engine, dp_groups: List[List[int]], k: int, timeout_s:
     return out
 
 
-def refuse_reshard(engine, saved, now, local: bool) -> None:
-    """A checkpoint of another data-parallel size (or replica layout) is not resharded for a model with
-    experts: refused by name."""
-    if not ep_sizes(engine):
-        return
-    what = "(data-parallel size, replica_group_size)" if local else "data-parallel size"
-    raise ValueError(f"ACCO: this checkpoint of a model with MoE layers was saved with {what} "
-                     f"{saved if local else saved[0]} but this run has {now if local else now[0]}: resharding "
-                     f"expert partitions (each expert group is partitioned over its own expert-data-parallel "
-                     f"group) is not supported yet. Resume with the saved layout, or load only the module weights "
-                     f"(load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)); DeepSpeed "
-                     f"saves each expert in a file of its own")
+def reshard_strides(opt, saved_ep_sizes, saved_counts, old_k: int) -> List[int]:
+    """Per parameter group of ``opt`` (an ``ACCOZeroOptimizer``), its ``ep_size`` (1: dense) for a resharding
+    load (``runtime.reshard.Plan``'s ``strides``): an expert group keeps its ``ep_size``, its partitions are
+    regathered over its old expert-data-parallel group and re-split over the new one. ``saved_ep_sizes``: the
+    ACCO state's (None: saved without it); ``saved_counts``: ZeRO's partition count per group of the saved
+    files, in replicas of ``old_k`` ranks. Refuses by name another ``ep_size`` and expert groups laid out
+    otherwise than DeepSpeed's default."""
+    groups = opt.optimizer.param_groups
+    if not any(g.get("moe", False) for g in groups):
+        return [1] * len(groups)
+    check_ep_sizes(saved_ep_sizes, opt._ep_sizes())
+    replica = tdist.get_process_group_ranks(opt.dp_process_group if opt.dp_process_group is not None
+                                            else tdist.group.WORLD)
+    strides = []
+    for i, group in enumerate(groups):
+        e = opt.world_size // opt.partition_count[i] if group.get("moe", False) else 1
+        if e > 1 and sorted(tdist.get_process_group_ranks(opt.real_dp_process_group[i])) != \
+                sorted(replica[opt.rank % e::e]):
+            raise ValueError(f"ACCO: a resharding load needs DeepSpeed's default expert layout (expert-parallel "
+                             f"groups of ep_size {e} consecutive ranks), which expert group {group['name']} does "
+                             f"not have (use_data_before_expert_parallel_?). Resume with the saved layout, or "
+                             f"load only the module weights (load_optimizer_states=False)")
+        strides.append(e)
+    if saved_counts is not None and list(saved_counts) != [old_k // e for e in strides]:
+        raise ValueError(f"ACCO: this checkpoint's expert groups were partitioned {list(saved_counts)} ways in "
+                         f"replicas of {old_k} ranks, which is not this run's ep_size "
+                         f"{dict(opt._ep_sizes())}: changing ep_size repartitions every expert's optimizer state, "
+                         f"which is not supported. Resume with the saved ep_size, or load only the module weights "
+                         f"(load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")
+    return strides
 
 
 def check_ep_sizes(saved, now) -> None:
@@ -114,4 +132,4 @@ def check_ep_sizes(saved, now) -> None:
                      f"load_lr_scheduler_states=False))")
 
 
-__all__ = ["ep_sizes", "check_layout", "check_replica", "replica_expert_groups", "refuse_reshard", "check_ep_sizes"]
+__all__ = ["ep_sizes", "check_layout", "check_replica", "replica_expert_groups", "reshard_strides", "check_ep_sizes"]

@@ -9,6 +9,9 @@ turns them into the host-neutral pieces of ``runtime.reshard``, and builds its o
 new layout: DeepSpeed's stock rigid load then consumes it, and ACCO's state (marked resharded) restarts
 the rounds or carries the replica and outer state. The module weights were loaded before (DeepSpeed reads
 the model-states file first): they are the committed weights. Rank 0 says what happened in one warning.
+A model with MoE layers keeps its ep_size: each expert group is regathered over its old expert-data-parallel
+group and re-split over the new one (``moe.reshard_strides``); DeepSpeed reads its per-expert weight files by
+global expert id at any data-parallel size.
 """
 
 import os
@@ -48,7 +51,6 @@ def load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states, stock) ->
         old_k = ((_read(names[0], load_dir, tag).get(ACCO_STATE_KEY) or {}).get("outer") or {}).get("k", old_world)
     if old_world == engine.dp_world_size and old_k == opt.world_size:
         return stock(load_dir, tag, load_optimizer_states=load_optimizer_states)
-    moe.refuse_reshard(engine, (old_world, old_k), (engine.dp_world_size, opt.world_size), local)
     _reshard(engine, names, old_world, old_k, load_dir, tag)
     return True
 
@@ -91,13 +93,16 @@ def _reshard(engine, names, old_world, old_k, load_dir, tag) -> None:
     groups = len(opt.bit16_groups_flat)
     sizes = [sum(p.numel() for p in ps) + sum(pad) for ps, pad in zip(opt.round_robin_bit16_groups,
                                                                        opt.round_robin_bit16_padding)]
-    for n, flat in zip(sizes, opt.bit16_groups_flat):
-        assert Layout.zero(n, opt.world_size).sizes[0] * opt.world_size == flat.numel(), "ZeRO-1's padding rule"
-    plan = Plan(old_world=old_world, old_k=old_k, new_world=engine.dp_world_size, new_k=opt.world_size,
-                rank=comm.get_rank(group=engine.seq_data_parallel_group), local=opt.outer.replica_ranks is not None,
-                layouts=lambda ways: [Layout.zero(n, ways) for n in sizes])
+    for n, flat, ways in zip(sizes, opt.bit16_groups_flat, opt.partition_count):
+        assert Layout.zero(n, ways).sizes[0] * ways == flat.numel(), "ZeRO-1's padding rule"
     # Every file is opened (memory-mapped: cheap) so that a damaged one is refused on every rank alike.
     files = [_read(name, load_dir, tag) for name in names]
+    # MoE: each expert group is partitioned over its expert-data-parallel group (ep_size kept).
+    strides = moe.reshard_strides(opt, (files[0].get(ACCO_STATE_KEY) or {}).get("ep_sizes"),
+                                  files[0].get(PARTITION_COUNT), old_k)
+    plan = Plan(old_world=old_world, old_k=old_k, new_world=engine.dp_world_size, new_k=opt.world_size,
+                rank=comm.get_rank(group=engine.seq_data_parallel_group), local=opt.outer.replica_ranks is not None,
+                layouts=lambda ways: [Layout.zero(n, ways) for n in sizes], strides=strides)
     if any(f.get(PARAM_ALIGNMENT_PADDINGS, opt.round_robin_bit16_padding) != opt.round_robin_bit16_padding
            for f in files):
         raise RuntimeError("ACCO: the ZeRO checkpoint's parameter-alignment layout does not match the current "

@@ -85,17 +85,22 @@ class Plan:
 
     ``layouts(ways)``: the ``Layout`` of every group split ``ways`` ways. New replica g (``replica``) takes
     its inner state from old replica ``source = g mod R_old`` (``mapped_ranks``); what every replica holds
-    alike (the anchor, the outer momentum) comes from old replica 0 (``first_ranks``)."""
+    alike (the anchor, the outer momentum) comes from old replica 0 (``first_ranks``). ``strides[i]``: group
+    i's ``ep_size`` (None: every group dense), which an expert group keeps across the load."""
 
     def __init__(self, *, old_world: int, old_k: int, new_world: int, new_k: int, rank: int,
-                 layouts: Callable[[int], List[Layout]], local: bool):
+                 layouts: Callable[[int], List[Layout]], local: bool, strides: Optional[Sequence[int]] = None):
         if old_world % old_k or new_world % new_k:
             raise ValueError(f"a replica of {old_k} (saved) or {new_k} (now) ranks does not divide the world")
         self.old_world, self.old_k, self.new_world, self.new_k, self.local = old_world, old_k, new_world, new_k, local
         self.old_replicas, self.new_replicas = old_world // old_k, new_world // new_k
         self.replica, self.shard = divmod(rank, new_k)
         self.source = self.replica % self.old_replicas
-        self.old, self.new = layouts(old_k), layouts(new_k)
+        self.strides = tuple(strides) if strides is not None else (1,) * len(layouts(new_k))
+        if any(old_k % e or new_k % e for e in self.strides):
+            raise ValueError(f"an expert-parallel size of {max(self.strides)} does not divide a replica of {old_k} "
+                             f"(saved) or {new_k} (now) ranks")
+        self.old, self.new = self._layouts(layouts, old_k), self._layouts(layouts, new_k)
         self.dropped: List[str] = []
         self.not_carried: List[str] = []
         self.changed: List[str] = []
@@ -108,17 +113,32 @@ class Plan:
     def first_ranks(self) -> List[int]:
         return list(range(self.old_k))
 
+    def _layouts(self, layouts, k: int) -> List[Layout]:
+        """Per group, its layout in a replica of ``k`` ranks: an expert group of stride e over k / e ranks."""
+        per_ways = {e: layouts(k // e) for e in set(self.strides)}
+        return [per_ways[e][i] for i, e in enumerate(self.strides)]
+
+    def _part(self, i: int, values: Sequence) -> tuple:
+        """Group ``i``'s old pieces (one per old rank of a replica) that make it, and this rank's index in its
+        new partition. An expert group of stride e (its ``ep_size``) is partitioned over the ranks at one
+        position of every expert-parallel run of e consecutive ranks: those at this rank's position."""
+        e = self.strides[i]
+        return values[self.shard % e::e], self.shard // e
+
     def piece(self, per_rank: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
         """Per group, this rank's piece from one old replica's pieces (``per_rank[shard][group]``)."""
-        return [old.repartition([r[i] for r in per_rank], new, self.shard)
-                for i, (old, new) in enumerate(zip(self.old, self.new))]
+        out = []
+        for i, (old, new) in enumerate(zip(self.old, self.new)):
+            pieces, shard = self._part(i, [r[i] for r in per_rank])
+            out.append(old.repartition(pieces, new, shard))
+        return out
 
     def inner_state(self, per_rank: Sequence[Sequence[dict]]) -> List[dict]:
         """Per group, the inner optimizer's state for this rank: tensors over the partition (dim >= 1) are
         repartitioned, scalars (the step count, the same on every rank of a replica) copied."""
         out = []
         for i, (old, new) in enumerate(zip(self.old, self.new)):
-            states = [r[i] for r in per_rank]
+            states, shard = self._part(i, [r[i] for r in per_rank])
             keys = set(states[0])
             if any(set(s) != keys for s in states):
                 raise ValueError(f"the inner optimizer's state of group {i} has other keys on other ranks")
@@ -126,7 +146,7 @@ class Plan:
             for key in states[0]:
                 values = [s[key] for s in states]
                 tensor = torch.is_tensor(values[0]) and values[0].dim() > 0
-                mine[key] = old.repartition(values, new, self.shard) if tensor else values[0]
+                mine[key] = old.repartition(values, new, shard) if tensor else values[0]
             out.append(mine)
         return out
 
@@ -146,6 +166,9 @@ class Plan:
         else:
             rule = ("the fp32 master weights and the optimizer moments are re-partitioned by ZeRO-1's rule; the "
                     "committed weights are the saved ones")
+        if max(self.strides) > 1:
+            rule += ("; each expert group (its ep_size kept) is regathered over its old expert-data-parallel group "
+                     "and re-split over the new one")
         text = f"ACCO: resharded the checkpoint in {where} {self.words()}: {rule}."
         if self.changed:
             text += " Changed: " + "; ".join(self.changed) + "."

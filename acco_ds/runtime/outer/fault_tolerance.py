@@ -7,9 +7,10 @@ calls) runs:
 
 * ``begin``: ``start_quorum()``, synchronous. A replica that is behind (new, or relaunched after a crash)
   receives here, rank by rank from the same rank of a live replica, what the loop registered: anchor,
-  outer momentum, the loop's position and the host's inner optimizer shard and counters. It then stands
-  at the anchor and contributes nothing to this sync. With ``join: "early"`` the live replicas end their
-  period at the next inner step once rank 0's watch (``join_watch``) sees such a replica waiting;
+  outer momentum, the loop's position and the host's inner optimizer shard and counters (with MoE layers,
+  rank i's expert shards: rank i of every replica holds the same experts). It then stands at the anchor and
+  contributes nothing to this sync. With ``join: "early"`` the live replicas end their period at the next
+  inner step once rank 0's watch (``join_watch``) sees such a replica waiting;
 * ``average``: ``Σ w_i δ_i / Σ w_i``, two torchft all-reduces (SUM) of the tensors scaled by this
   replica's merge weight and of the weight, so a replica with nothing to add (weight 0) changes nothing,
   and ``merge: "tokens"`` weighs each replica by what it trained;
@@ -38,11 +39,8 @@ PROGRESS_EVERY_S = 10.0  # a line while a quorum is awaited
 def _nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(_nbytes(v) for v in values)
 
 
 class TorchFTTransport:
@@ -308,9 +306,13 @@ class JoinsAndHeals:
     def heal_state(self) -> dict:
         """What a healing replica's rank receives from this rank (copies: the transfer may run later)."""
         host = self.shards.host_state() if self.shards.host_state is not None else None
-        return {"replica_size": tdist.get_world_size(), "anchor": [t.clone() for t in self.anchor],
-                "momentum": [t.clone() for t in self.momentum], "syncs": self.transport.committed,
-                "loop": self.loop_state(), "host": host}
+        return {"replica_size": tdist.get_world_size(), "ep_sizes": self._ep_sizes(),
+                "anchor": [t.clone() for t in self.anchor], "momentum": [t.clone() for t in self.momentum],
+                "syncs": self.transport.committed, "loop": self.loop_state(), "host": host}
+
+    def _ep_sizes(self) -> List[int]:
+        """Per expert group, its ep_size: the replica's ranks over those its partitions are split over."""
+        return [tdist.get_world_size() // tdist.get_world_size(g[1]) for g in self.shards.gather or [] if g]
 
     @torch.no_grad()
     def heal_load(self, state: dict) -> None:
@@ -320,6 +322,11 @@ class JoinsAndHeals:
                              f"replica it heals from has {state['replica_size']}: every replica must run the same "
                              f"number of ranks (their shards of the anchor and of the inner optimizer state must "
                              f"match). Relaunch it with {state['replica_size']} rank(s)")
+        if state.get("ep_sizes", []) != self._ep_sizes():
+            raise ValueError(f"acco.fault_tolerance: this replica's expert groups have ep_size "
+                             f"{self._ep_sizes() or 'none (no MoE)'} but the replica it heals from has "
+                             f"{state.get('ep_sizes') or 'none (no MoE)'}: every replica must run the same model "
+                             f"and ep_size (rank i of every replica holds the same experts). Relaunch it with theirs")
         for mine, saved in ((self.anchor, state["anchor"]), (self.momentum, state["momentum"]),
                             (self.shards.masters, state["anchor"])):
             for dst, src in zip(mine, saved):
@@ -336,7 +343,6 @@ class JoinsAndHeals:
 
     def load_loop_state(self, state: dict) -> None:
         self.schedule.load_state_dict(state["schedule"])
-
 
 
 __all__ = ["TorchFTTransport", "JoinsAndHeals", "PROGRESS_EVERY_S"]

@@ -13,9 +13,12 @@ scale per chunk) over the outer group (the ranks holding the same shard in every
 rank unpacks all R payloads into its part of the average: no all-reduce, since the indices differ per
 replica. A chunk straddling two ranks' ZeRO-1 partitions is packed by the rank holding its first element,
 which first takes the other ranks' part of the error buffer and afterwards hands back their residual and
-averaged update (``chunks.py``). The error buffer is rank state, in the masters' layout: checkpointed,
-resharded by the replica mapping rule, counted by the memory estimator. The inner optimizer state
-carries on across syncs, as in DiLoCo; there is no outer momentum (the error buffer replaces it).
+averaged update (``chunks.py``). Mixture of experts: an expert group is cut into chunks over its own partition
+(its expert-data-parallel ranks inside the replica, its partners for straddling chunks); its payloads travel
+over the outer group, the ranks holding the same experts in every replica (the expert group's rails). The
+error buffer is rank state, in the masters' layout: checkpointed, resharded by the replica mapping rule,
+counted by the memory estimator. The inner optimizer state carries on across syncs, as in DiLoCo; there is
+no outer momentum (the error buffer replaces it).
 """
 
 import math
@@ -58,8 +61,10 @@ class SparseLoCo(LocalSGD):
         # Tensor parallelism: chunks of whole tensors, dealt out to the replica's ranks (sparse_tp.py); else
         # each rank packs the chunks that start in its partition (chunks.py)
         self.whole = WholeTensors(layout, shards, groups, self.chunk) if layout is not None else None
+        self.peers = [self._partitioned_over(i) for i in range(len(shards.masters))]
         self.plans: List[ChunkPlan] = [] if self.whole is not None else [
-            chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], groups.k, groups.shard, self.chunk,
+            chunk_plan([(p.numel(), off) for p, off in group], shards.partition[i], len(self.peers[i][0]),
+                       self.peers[i][2], self.chunk,
                        None if shards.flats is not None else fsdp2_layout(group[0][0], groups.k))
             for i, group in enumerate(shards.params)]
         self.momentum = []  # no outer momentum: the error buffer replaces it
@@ -71,6 +76,14 @@ class SparseLoCo(LocalSGD):
         self.owned = sum(int(o[-1]) for o in mine)  # elements in this rank's chunks
         self.boundary_bytes = 0  # bytes this rank sent to its replica's ranks for straddling chunks
         self.residual_norm: Optional[float] = None  # ‖e‖ of this replica after the last sync
+
+    def _partitioned_over(self, i: int):
+        """(global ranks, process group, this rank's index) of the ranks of this replica that partition group
+        ``i``: the replica, or for an expert group its expert-data-parallel ranks inside the replica."""
+        own = self.shards.gather[i] if self.shards.gather is not None else None
+        if own is None:
+            return self.groups.replica_ranks, self.groups.replica_main, self.groups.shard
+        return tdist.get_process_group_ranks(own[1]), own[1], own[0]
 
     # ------------------------------------------------------------------ the sync
     @torch.no_grad()
@@ -102,7 +115,8 @@ class SparseLoCo(LocalSGD):
         if self.whole is not None:
             average = self._sync_whole(weight)
         else:
-            average = [self._sync_group(plan, e, weight) for plan, e in zip(self.plans, self.error)]
+            average = [self._sync_group(plan, e, weight, peers)
+                       for plan, e, peers in zip(self.plans, self.error, self.peers)]
         committed = self.transport.commit()
         if ft and (not committed or weight == 0):
             for e, b in zip(self.error, before):
@@ -121,11 +135,11 @@ class SparseLoCo(LocalSGD):
         self.outer_wait_s += seconds
         return committed
 
-    def _sync_group(self, plan: ChunkPlan, e: torch.Tensor, weight: float) -> torch.Tensor:
+    def _sync_group(self, plan: ChunkPlan, e: torch.Tensor, weight: float, peers) -> torch.Tensor:
         """Pack this rank's chunks of one group, gather every replica's payload, return this rank's partition
-        of the weighted average (``e`` keeps its residual)."""
+        of the weighted average (``e`` keeps its residual). ``peers``: ``_partitioned_over``'s answer."""
         P = plan.partition
-        tails = self._exchange(plan, [e[:plan.head]] if plan.head else [], [n for _, n in plan.tails])
+        tails = self._exchange(plan, [e[:plan.head]] if plan.head else [], [n for _, n in plan.tails], peers)
         ext = torch.cat([e, *tails]) if tails else e
         avg = torch.empty_like(ext) if plan.chunks else torch.zeros_like(ext)
         if plan.chunks:  # sparse_average writes its region whole
@@ -139,7 +153,7 @@ class SparseLoCo(LocalSGD):
         for _, n in plan.tails:
             back.append(torch.cat([ext[at:at + n], avg[at:at + n]]))
             at += n
-        head = self._exchange(plan, back, [2 * plan.head] if plan.head else [], reverse=True)
+        head = self._exchange(plan, back, [2 * plan.head] if plan.head else [], peers, reverse=True)
         avg = avg[:P]
         if head:
             e[:plan.head].copy_(head[0][:plan.head])
@@ -165,18 +179,19 @@ class SparseLoCo(LocalSGD):
         self.kernels.sparse_average(avg, offsets, [p for p, _ in gathered], [w for _, w in gathered],
                                     topk=self.topk, value_bits=self.bits)
 
-    def _exchange(self, plan: ChunkPlan, sends: List[torch.Tensor], sizes: List[int], reverse: bool = False):
-        """Point-to-point inside the replica: forward, this rank's head to its owner and the tails from the
-        ranks it owns chunks of; ``reverse``: the other way. Returns the received tensors (``sizes``)."""
+    def _exchange(self, plan: ChunkPlan, sends: List[torch.Tensor], sizes: List[int], peers, reverse: bool = False):
+        """Point-to-point inside the replica (``peers``: the group's partitioning ranks): forward, this rank's
+        head to its owner and the tails from the ranks it owns chunks of; ``reverse``: the other way. Returns
+        the received tensors (``sizes``)."""
         if not sends and not sizes:
             return []
-        ranks = self.groups.replica_ranks
+        ranks, group = peers[0], peers[1]
         owner_side = [ranks[t] for t, _ in plan.tails]
         head_side = [ranks[plan.head_owner]] if plan.head else []
         to, frm = (owner_side, head_side) if reverse else (head_side, owner_side)
         received = [self.error[0].new_empty(n) for n in sizes]
-        ops = [tdist.P2POp(tdist.isend, t, peer, self.groups.replica_main) for t, peer in zip(sends, to)]
-        ops += [tdist.P2POp(tdist.irecv, t, peer, self.groups.replica_main) for t, peer in zip(received, frm)]
+        ops = [tdist.P2POp(tdist.isend, t, peer, group) for t, peer in zip(sends, to)]
+        ops += [tdist.P2POp(tdist.irecv, t, peer, group) for t, peer in zip(received, frm)]
         for work in tdist.batch_isend_irecv(ops):
             work.wait()
         self.boundary_bytes += sum(t.numel() * t.element_size() for t in sends)

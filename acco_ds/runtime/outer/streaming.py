@@ -17,6 +17,12 @@ belongs to fragment ⌊F o_j / N⌋, so a fragment is a contiguous range of each
 rank, a slice of each master shard. The anchor g and the momentum are sharded like the master weights
 (8N/k bytes per rank for k ranks per replica, not per fragment); one fragment's δ is in flight at a time.
 Users read every fragment's g_f (``committed_flats``), as in DiLoCo.
+
+Mixture of experts: the offsets run over this rank's groups, dense first, then its expert groups (each
+partitioned over its expert-data-parallel ranks inside the replica), so a fragment may hold a slice of an
+expert group. The ranks that hold the same expert shard in every replica (the expert group's rails) are the
+ranks at this rank's place in every replica: its outer group, which carries a fragment's dense and expert
+slices in one all-reduce.
 """
 
 import itertools
@@ -29,8 +35,9 @@ from .diloco import DiLoCo, fragments_mismatch
 from .interface import ReplicaGroups, Shards
 
 
-def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tuple[int, int, int]]]:
-    """Per fragment, the (group, lo, hi) slices of this rank's master shards it covers (shard coordinates).
+def fragment_slices(shards: Shards, groups: ReplicaGroups, fragments: int) -> List[List[Tuple[int, int, int]]]:
+    """Per fragment, the (group, lo, hi) slices of this rank's master shards it covers (shard coordinates), each
+    group cut at this rank's partition index in it (an expert group's own, inside the replica).
     Raises ``ValueError`` for a fragment without parameters."""
     sizes = [[p.numel() for p, _ in group] for group in shards.params]
     total = sum(sum(s) for s in sizes)
@@ -38,7 +45,7 @@ def fragment_slices(shards: Shards, rank: int, fragments: int) -> List[List[Tupl
     counts = [0] * fragments
     offset = 0
     for i, group in enumerate(shards.params):
-        P = shards.partition[i]
+        P, rank = shards.partition[i], shards.gather_at(i, groups)[0]
         lo_shard, hi_shard = rank * P, (rank + 1) * P
         ranges = {}
         for (p, start), n in zip(group, sizes[i]):
@@ -75,7 +82,7 @@ class StreamingDiLoCo(DiLoCo):
         self.F, self.tau, self.alpha = ls.fragments, ls.fragment_sync_delay, ls.fragment_update_alpha
         super().__init__(acco, shards, groups)
         self.h = ls.sync_every // self.F
-        self.slices = fragment_slices(shards, groups.shard, self.F)
+        self.slices = fragment_slices(shards, groups, self.F)
         self.step = 0  # inner steps since the start (or the last restart)
         self.pending: Optional[dict] = None  # {"fragment", "delta", "received"} of the prepared fragment
         self.fragment_comm_s, self.fragment_wait_s = [0.0] * self.F, [0.0] * self.F
