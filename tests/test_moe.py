@@ -115,16 +115,17 @@ def test_adaptive_node_aware_and_compressed_rounds_on_moe():
     """Adaptive accumulation (rank 1 slowed; ep_size 1, as ep_size 2 is refused) matches the simulator with each
     worker's counts; node-aware
     collectives (2 nodes of 2 ranks: the dense group hierarchical, the expert groups flat) match it too;
-    int8 rounds stay close to full precision and keep every copy of a weight identical."""
+    int8 and fp8 rounds stay close to full precision and keep every copy of a weight identical."""
     adaptive = {"mode": "acco", "accumulation": "adaptive", "max_micro_batches_per_round": 8,
                 "emulation": {"comm_delay_s": 0.05, "slow_rank": 1, "slow_factor": 30.0}}
     hier = {"layout": "hierarchical", "ranks_per_node": 2}
     int8 = {"dtype": "int8", "block_size": 16, "apply_to": ["rounds"]}
+    fp8 = {**int8, "dtype": "fp8"}
     runs = [dict(moe_spec(adaptive), model="moe_ep1"), moe_spec({"mode": "acco", "collectives": hier}),
             moe_spec({"mode": "acco", "compression": int8, "collectives": hier}),
-            moe_spec({"mode": "sync", "compression": int8})]
+            moe_spec({"mode": "sync", "compression": int8}), moe_spec({"mode": "acco", "compression": fp8})]
     results = launch({"runs": runs}, world_size=W, timeout=300)
-    ada, hierarchical, compressed, sync8 = ([results[r][i] for r in range(W)] for i in range(4))
+    ada, hierarchical, compressed, sync8, acco_fp8 = ([results[r][i] for r in range(W)] for i in range(5))
     counts = {i: c for i, (_, c) in enumerate(ada[0]["round_counts"]) if c is not None}
     assert any(len(set(c)) > 1 for c in counts.values()), f"workers contributed equally: {counts}"
     ref = simulate("acco", common.make_model(0, "dense_moe"), common.loss_fn, common.micro_batch, world_size=W,
@@ -133,11 +134,11 @@ def test_adaptive_node_aware_and_compressed_rounds_on_moe():
     assert_ranks_match(ada, ref["params"], ep=1)
     assert hierarchical[0]["collectives"] == "hierarchical (2 nodes x 2 ranks)"
     assert_ranks_match(hierarchical, reference("acco")["params"])
-    for runs_, mode in ((compressed, "acco"), (sync8, "sync")):
+    for runs_, mode in ((compressed, "acco"), (sync8, "sync"), (acco_fp8, "acco")):
         weights = assert_replicas_agree(runs_)
         exact = dense(reference(mode)["params"][-1])
         gap = max(float((weights[n] - exact[n]).abs().max()) for n in weights)
-        assert 1e-6 < gap < 5e-2, f"{mode} int8: {gap}"
+        assert 1e-6 < gap < 5e-2, f"{mode} compressed: {gap}"
         assert runs_[0]["stats"]["compressed_bytes"] > 0
 
 
