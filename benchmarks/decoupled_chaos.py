@@ -1,17 +1,21 @@
 """Decoupled learners under a kill: three learners, one launch each (``acco-ds syncer`` runs the syncer), a small
 GPT on the standard library's source (``decoupled_worker.py``), K = 1, Delayed Nesterov. In the chaos run learner
 1 is killed (SIGKILL) at ``--kill-at`` seconds and relaunched ``--relaunch-after`` seconds later with the training
-time it had left; the failure-free run is the same without the kill. Measured:
+time it had left; the failure-free run is the same without the kill. Each ``--variants`` entry (``adopt`` and
+the up-link's dtype, e.g. ``wait:fp32 overlap:fp32 overlap:int8``) runs both. Measured:
 
-* goodput: inner steps merged into the global model (the syncer's log) per second of the run, against the
-  failure-free run;
-* the longest exchange of any learner (Δ up, merge, θ_g down), against its mean inner step: no learner waits
-  for another, so it stays about one exchange;
+* goodput: inner steps merged into the global model (the syncer's log) per second, against the failure-free
+  run of the same variant: over the whole run (whose end waits for the relaunched learner's last seconds,
+  trained alone) and over a window of ``--seconds`` from the first merge (the kill and the relaunch inside);
+* the longest pause of a learner between two inner steps (its exchange with the syncer), against its mean
+  inner step without the exchange, and where that pause went (sending, waiting for the merge, adopting it), with
+  the syncer's side (READY to merge, the grace window);
+* the up-link bytes per period (DELTA messages as written by send(), header included);
 * one global model at the end: the syncer's θ_g, which every learner's last merge leaves it on.
 
 Writes ``benchmarks/results/decoupled_chaos.{json,md}``.
 
-    python benchmarks/decoupled_chaos.py [--seconds 40 --kill-at 12 --relaunch-after 4]
+    python benchmarks/decoupled_chaos.py [--seconds 40 --kill-at 12 --relaunch-after 4 --variants overlap:fp32]
 """
 
 import argparse
@@ -48,17 +52,20 @@ def learner(i, cfg_path, out, seconds, log):
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run(name, args, work, chaos):
-    d = Path(work) / name
+def run(name, args, work, chaos, variant):
+    adopt, dtype = variant.split(":")
+    d = Path(work) / f"{adopt}-{dtype}-{name}"
     state = d / "syncer"
     d.mkdir(parents=True)
     port = free_port()
     cfg = copy.deepcopy(BASE)
     cfg["acco"] = {"enabled": True, "mode": "decoupled",
                    "local_sgd": {"sync_every": args.sync_every, "min_quorum": 1, "grace_s": "auto",
-                                 "staleness": "delayed_nesterov", "nesterov_delay": 3,
+                                 "staleness": "delayed_nesterov", "nesterov_delay": 3, "adopt": adopt,
                                  "syncer": {"address": f"127.0.0.1:{port}", "state_dir": str(state),
                                             "timeout_s": 60}}}
+    if dtype != "fp32":
+        cfg["acco"]["compression"] = {"dtype": dtype, "apply_to": ["outer"]}
     cfg_path = d / "config.json"
     cfg_path.write_text(json.dumps(cfg))
     log = open(d / "log.txt", "w")
@@ -66,7 +73,7 @@ def run(name, args, work, chaos):
                                "--shards", "1", "--port", str(port), "--host", "127.0.0.1", "--learners", "3"],
                               env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), os.getloadavg()[0]
     procs = {i: learner(i, cfg_path, d / f"learner{i}", args.seconds, log) for i in range(3)}
     killed_at = relaunched_at = None
     if chaos:
@@ -84,46 +91,78 @@ def run(name, args, work, chaos):
     merges = [json.loads(line) for line in (state / "merges.jsonl").read_text().splitlines()]
     ranks = {i: json.loads((d / f"learner{i}" / "rank0.json").read_text()) for i in range(3)}
     merged_steps = sum(c["steps"] for m in merges for c in m["contributions"])
-    step_s = {i: r["seconds"] / max(1, r["steps"]) for i, r in ranks.items()}
-    return {"name": name, "wall_s": wall, "codes": codes, "killed_at_s": killed_at, "relaunched_at_s": relaunched_at,
-            "merges": len(merges), "merged_inner_steps": merged_steps, "goodput_steps_per_s": merged_steps / wall,
+    step_s = {i: (r["seconds"] - r["stats"].get("wire_s", 0.0)) / max(1, r["steps"]) for i, r in ranks.items()}
+    held = [h for m in merges for h in m.get("held_s", []) if h is not None]
+    first = min(m["time"] for m in merges)  # the window: --seconds from the first merge, both runs alike
+    inside = [c for m in merges if m["time"] <= first + args.seconds for c in m["contributions"]]
+    window = sum(c["steps"] for c in inside)
+    others = sum(c["steps"] for c in inside if c["learner"] != 1)  # the learners that were not killed
+    return {"name": name, "variant": variant, "wall_s": wall, "load": [load, os.getloadavg()[0]], "codes": codes, "killed_at_s": killed_at,
+            "relaunched_at_s": relaunched_at, "merges": len(merges), "merged_inner_steps": merged_steps,
+            "goodput_steps_per_s": merged_steps / wall, "window_steps_per_s": window / args.seconds,
+            "window_others_steps_per_s": others / args.seconds,
             "max_wait_s": {i: r["stats"].get("max_wait_s") for i, r in ranks.items()}, "inner_step_s": step_s,
+            "longest_phases_s": {i: r["stats"].get("longest_pause_phases_s") for i, r in ranks.items()},
+            "phase_s": {i: r["stats"].get("phase_s") for i, r in ranks.items()},
+            "uplink_bytes_per_period": {i: r["stats"]["delta_bytes"] / max(1, r["stats"]["merges"])
+                                        for i, r in ranks.items()},
+            "held_s_mean": sum(held) / max(1, len(held)), "held_s_max": max(held, default=0.0),
+            "grace_s_mean": sum(m.get("grace_s", 0.0) for m in merges) / max(1, len(merges)),
             "final_versions": {i: r["stats"].get("version") for i, r in ranks.items()},
             "syncer_version": merges[-1]["version"] if merges else 0,
             "final_val_loss": {i: r["trace"][-1]["val_loss"] for i, r in ranks.items()}}
 
 
-def render(free, chaos, goodput, args, argv) -> str:
+def worst_pause(r) -> float:
+    """The longest pause of the learners that were not killed (0 and 2), in their mean inner steps."""
+    return max(r["max_wait_s"][i] / r["inner_step_s"][i] for i in (0, 2))
+
+
+def render(pairs, args, argv) -> str:
     lines = ["# Decoupled learners under a kill\n",
              f"Command: `python benchmarks/decoupled_chaos.py {' '.join(argv or sys.argv[1:])}` "
-             f"({getattr(args, 'date', None) or time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, CPU, Python {platform.python_version()}. "
-             f"3 learners of one rank, one process each, `acco-ds syncer` of one shard; GPT 2 layers x 64, block 64, "
-             f"micro-batch 8 x 2; sync_every {args.sync_every}, K = 1, grace auto, Delayed Nesterov (N = 3); "
-             f"{args.seconds:g} s of training per learner. Chaos: learner 1 killed (SIGKILL) at {args.kill_at:g} s, "
-             f"relaunched {args.relaunch_after:g} s later with the training time it had left.\n",
-             "| run | wall s | merges | inner steps merged | goodput (steps/s) | longest exchange, learners 0/1/2 (s) | "
-             "mean inner step 0/1/2 (s) | final versions 0/1/2 (syncer) | exit codes |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in (free, chaos):
-        waits = "/".join("%.2f" % r["max_wait_s"][i] for i in range(3))
-        steps = "/".join("%.3f" % r["inner_step_s"][i] for i in range(3))
-        versions = "/".join(str(r["final_versions"][i]) for i in range(3))
-        codes = "/".join(str(r["codes"][i]) for i in range(3))
-        lines.append(f"| {r['name']} | {r['wall_s']:.1f} | {r['merges']} | {r['merged_inner_steps']} | "
-                     f"{r['goodput_steps_per_s']:.2f} | {waits} | {steps} | {versions} ({r['syncer_version']}) | "
-                     f"{codes} |")
-    worst = max(chaos["max_wait_s"][i] / chaos["inner_step_s"][i] for i in (0, 2))
-    lines += ["", f"Goodput of the chaos run against the failure-free one: {goodput:.3f} (goal >= 0.97: "
-                  f"{'MET' if goodput >= 0.97 else 'NOT MET'}). The killed learner loses its unfinished period and "
-                  f"its {args.relaunch_after:g} s away; nobody else waits for it (K = 1). This machine has "
-                  f"{os.cpu_count()} cores for 3 learners and the syncer: a dead learner frees CPU for the others, "
-                  f"so their inner steps get faster and the ratio can exceed 1 here; it says that the kill cost "
-                  f"nothing measurable, not that it helps. Longest pause of the learners that were not killed (their "
-                  f"own exchange: Δ up, merge, θ_g down) against their mean inner step: {worst:.1f} inner steps (goal "
-                  f"<= 1: {'MET' if worst <= 1 else 'NOT MET'}: on this oversubscribed machine the exchange of a "
-                  f"0.1M-parameter model competes for the CPU with the syncer and the other learners). One global "
-                  f"model at the end: the syncer's θ_g (version {chaos['syncer_version']}); each learner ends on the "
-                  f"version of its own last merge.", ""]
+             f"({getattr(args, 'date', None) or time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, CPU, "
+             f"Python {platform.python_version()}. 3 learners of one rank, one process each, `acco-ds syncer` of one "
+             f"shard; GPT 2 layers x 64, block 64, micro-batch 8 x 2; sync_every {args.sync_every}, K = 1, grace "
+             f"auto, Delayed Nesterov (N = 3); {args.seconds:g} s of training per learner. Chaos: learner 1 killed "
+             f"(SIGKILL) at {args.kill_at:g} s, relaunched {args.relaunch_after:g} s later with the training time it "
+             f"had left. Variant: `adopt` : the up-link's dtype.\n",
+             "| variant | run | wall s | merges | inner steps merged | goodput (steps/s) | longest pause 0/1/2 (s) | "
+             "mean inner step 0/1/2 (s) | up-link bytes per period | final versions 0/1/2 (syncer) | exit codes | "
+             "load average before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for free, chaos, goodput in pairs:
+        for r in (free, chaos):
+            waits = "/".join("%.3f" % r["max_wait_s"][i] for i in range(3))
+            steps = "/".join("%.3f" % r["inner_step_s"][i] for i in range(3))
+            versions = "/".join(str(r["final_versions"][i]) for i in range(3))
+            codes = "/".join(str(r["codes"][i]) for i in range(3))
+            lines.append(f"| {r['variant']} | {r['name']} | {r['wall_s']:.1f} | {r['merges']} | "
+                         f"{r['merged_inner_steps']} | {r['goodput_steps_per_s']:.2f} | {waits} | {steps} | "
+                         f"{r['uplink_bytes_per_period'][0]:,.0f} | {versions} ({r['syncer_version']}) | {codes} | "
+                         f"{r['load'][0]:.1f}/{r['load'][1]:.1f} |")
+    lines += ["", "| variant | goodput, chaos / failure-free, whole run; window; window, learners 0 and 2 (goal "
+                  ">= 0.97) | longest pause of "
+                  "learners 0 and 2, chaos run (inner steps; goal <= 1) | that pause: send / wait for the merge / "
+                  "adopt; its CPU time (s) | syncer: READY to merge, mean / max (s); grace mean (s) |",
+              "|---|---|---|---|---|"]
+    for free, chaos, goodput in pairs:
+        worst = worst_pause(chaos)
+        win = chaos["window_steps_per_s"] / free["window_steps_per_s"]
+        rest = chaos["window_others_steps_per_s"] / free["window_others_steps_per_s"]
+        i = max((0, 2), key=lambda j: chaos["max_wait_s"][j] / chaos["inner_step_s"][j])
+        ph = chaos["longest_phases_s"][i] or {}
+        lines.append(f"| {chaos['variant']} | {goodput:.3f}; {win:.3f}; {rest:.3f} | {worst:.2f} "
+                     f"({'met' if worst <= 1 else 'NOT met'}) | {ph.get('send', 0):.3f} / {ph.get('wait', 0):.3f} / "
+                     f"{ph.get('adopt', 0):.3f}; {ph.get('cpu', 0):.4f} | {chaos['held_s_mean']:.3f} / "
+                     f"{chaos['held_s_max']:.3f}; {chaos['grace_s_mean']:.3f} |")
+    lines += ["", "Mean inner step: training seconds less the exchange, per step. A pause's CPU time is this "
+                  "process's (process_time) during it; the rest of it the process waited to be scheduled. The killed learner loses its "
+                  "unfinished period and its time away; nobody else waits for it (K = 1). This machine has "
+                  f"{os.cpu_count()} cores for 3 learners and the syncer: a dead learner frees CPU for the others, so "
+                  "the goodput ratio can exceed 1 here; it says that the kill cost nothing measurable, not that it "
+                  "helps. One global model at the end: the syncer's θ_g; each learner ends on the version of its own "
+                  "last merge.", ""]
     return "\n".join(lines)
 
 
@@ -133,30 +172,35 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-at", type=float, default=12.0)
     ap.add_argument("--relaunch-after", type=float, default=4.0)
     ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--variants", nargs="+", default=["wait:fp32", "overlap:fp32", "overlap:int8"],
+                    help="adopt:dtype pairs (adopt wait|overlap, dtype fp32|int8|fp8)")
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_chaos"))
     ap.add_argument("--render", action="store_true", help="only write the page again from the saved JSON")
     args = ap.parse_args(argv)
     if args.render:
         saved = json.loads(Path(args.out).with_suffix(".json").read_text())
-        for r in saved["runs"]:
-            for key in ("max_wait_s", "inner_step_s", "final_versions", "codes", "final_val_loss"):
-                r[key] = {int(i): v for i, v in r[key].items()}
+        for pair in saved["pairs"]:
+            for r in pair[:2]:
+                for key in ("max_wait_s", "inner_step_s", "final_versions", "codes", "final_val_loss",
+                            "longest_phases_s", "phase_s", "uplink_bytes_per_period"):
+                    r[key] = {int(i): v for i, v in r[key].items()}
         args.__dict__.update({k: v for k, v in saved["args"].items() if k not in ("render", "out")})
-        md = render(*saved["runs"], saved["goodput"], args, saved.get("argv", []))
+        md = render(saved["pairs"], args, saved.get("argv", []))
         Path(args.out).with_suffix(".md").write_text(md)
         print(md)
         return 0
     work = tempfile.mkdtemp(prefix="acco_decoupled_chaos_")
-    free = run("failure-free", args, work, chaos=False)
-    chaos = run("chaos", args, work, chaos=True)
-    goodput = chaos["goodput_steps_per_s"] / free["goodput_steps_per_s"]
-    md = render(free, chaos, goodput, args, argv)
+    pairs = []
+    for variant in args.variants:
+        free = run("failure-free", args, work, False, variant)
+        chaos = run("chaos", args, work, True, variant)
+        pairs.append((free, chaos, chaos["goodput_steps_per_s"] / free["goodput_steps_per_s"]))
+    md = render(pairs, args, argv)
     print(md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"runs": [free, chaos], "goodput": goodput, "args": vars(args),
-                                                    "argv": list(argv or sys.argv[1:]), "date":
-                                                    time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"pairs": pairs, "args": vars(args), "argv": list(argv or sys.argv[1:]),
+                                                    "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
     out.with_suffix(".md").write_text(md)
     return 0
 

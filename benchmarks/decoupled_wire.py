@@ -1,6 +1,11 @@
 """What the wire of ``"mode": "decoupled"`` costs: one learner's exchange with a syncer shard (Δ up, ACK, READY,
 θ_g down: the merge with K = 1 and no grace window) against a gloo all-reduce of the same tensor between two
-processes (what ``diloco``'s outer step sends), on loopback, for several model sizes. The shard runs as its own
+processes (what ``diloco``'s outer step sends), on loopback, for several model sizes; the exchange with Δ in fp32
+and with the int8 up-link (blocks of 256 with error feedback, quantized by the learner inside the timed
+exchange), and the up-link bytes of one exchange: as ``send()`` wrote them (header, name, payload) and, as root,
+on the wire: the learner in one network namespace, the shard in another, joined by a veth pair
+(``harness.Network``), the learner's end's ``tx_bytes`` counter read from the DELTA's send to its ACK (TCP/IP
+headers included; the namespaces are removed at the end). The shard runs as its own
 process (``python -m acco_ds.runtime.outer.decoupled.syncer``), as in training. Framing is 76 bytes of header plus
 the tensor's name per message. Writes ``benchmarks/results/decoupled_wire.{json,md}``.
 
@@ -23,11 +28,66 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 from acco_ds.runtime.outer.decoupled import wire  # noqa: E402
 
 
-def exchange_times(numel: int, repeats: int) -> list:
+def uplink(dtype: str):
+    from acco_ds import ops
+    from acco_ds.runtime.comm.compression import Codec, OuterCompression
+    from acco_ds.runtime.outer.decoupled.link import Uplink
+    return Uplink(None if dtype == "fp32" else
+                  OuterCompression(Codec(dtype, 256, ops.load_kernels("auto", torch.device("cpu"))), torch.float32))
+
+
+def veth_worker(args) -> None:
+    """Inside the learner's namespace: HELLO, INIT, then ``repeats`` exchanges; per exchange the bytes the veth
+    end sent from the DELTA's send to its ACK (by then the shard has read every byte of it)."""
+    counter = Path(f"/sys/class/net/{args.dev}/statistics/tx_bytes")
+    sock = wire.connect((args.host, args.port), 30, "shard")
+    wire.send(sock, wire.Message("HELLO", learner=0, incarnation=1))
+    wire.recv(sock, 1 << 40)
+    wire.send(sock, wire.Message("INIT", learner=0, incarnation=1, name="theta", tensor=torch.zeros(args.numel)))
+    up, delta, out = uplink(args.dtype), torch.randn(args.numel) * 1e-3, []
+    for v in range(args.repeats):
+        before = int(counter.read_text())
+        wire.send(sock, up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
+        wire.expect(wire.recv(sock, 1 << 40), "ACK")
+        out.append(int(counter.read_text()) - before)
+        wire.send(sock, wire.Message("READY", learner=0, incarnation=1, base=v, tokens=1, steps=1))
+        wire.expect(wire.recv(sock, 1 << 40), "PARAMS", "theta", args.numel)
+    wire.send(sock, wire.Message("DONE", learner=0, incarnation=1))
+    sock.close()
+    Path(args.out).write_text(json.dumps(out))
+
+
+def veth_bytes(numel: int, dtype: str, repeats: int):
+    """Median veth bytes of one DELTA (None where namespaces cannot be made: not root)."""
+    import harness
+    if harness.namespaces_unavailable():
+        return None
+    settings = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
+                               nesterov_delay=1))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    with tempfile.TemporaryDirectory(prefix="acco_wire_veth_") as tmp, harness.Network("dw") as net:
+        port_file = os.path.join(tmp, "port")
+        shard = subprocess.Popen(net.wrap(1, [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer",
+                                              "--settings", settings, "--grace-s", "0", "--host", net.addrs[1],
+                                              "--port-file", port_file, "--learners", "1"]),
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        while not os.path.exists(port_file):
+            time.sleep(0.05)
+        out = os.path.join(tmp, "bytes.json")
+        subprocess.run(net.wrap(0, [sys.executable, __file__, "--veth-worker", "--numel", str(numel), "--dtype", dtype,
+                                    "--host", net.addrs[1], "--port", open(port_file).read(), "--dev", net.dev[0],
+                                    "--repeats", str(repeats), "--out", out]), env=env, check=True, timeout=600)
+        shard.wait(60)
+        return statistics.median(json.loads(Path(out).read_text()))
+
+
+def exchange_times(numel: int, repeats: int, dtype: str = "fp32"):
+    """Seconds of each exchange, and the bytes of one DELTA message (what send() wrote)."""
+    up = uplink(dtype)
     state = tempfile.mkdtemp(prefix="acco_wire_")
     settings = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
                                nesterov_delay=1))
@@ -43,11 +103,10 @@ def exchange_times(numel: int, repeats: int) -> list:
     wire.recv(sock, 1 << 40)
     wire.send(sock, wire.Message("INIT", learner=0, incarnation=1, name="theta", tensor=torch.zeros(numel)))
     delta = torch.randn(numel) * 1e-3
-    times = []
+    times, up_bytes = [], 0
     for v in range(repeats + 1):
         t0 = time.perf_counter()
-        wire.send(sock, wire.Message("DELTA", learner=0, incarnation=1, base=v, tokens=1, steps=1, name="delta",
-                                     tensor=delta))
+        up_bytes = wire.send(sock, up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
         wire.expect(wire.recv(sock, 1 << 40), "ACK")
         wire.send(sock, wire.Message("READY", learner=0, incarnation=1, base=v, tokens=1, steps=1))
         wire.expect(wire.recv(sock, 1 << 40), "PARAMS", "theta", numel)
@@ -56,7 +115,7 @@ def exchange_times(numel: int, repeats: int) -> list:
     wire.send(sock, wire.Message("DONE", learner=0, incarnation=1))
     sock.close()
     proc.wait(30)
-    return times
+    return times, up_bytes
 
 
 def _allreduce_rank(rank, numel, repeats, port, out):
@@ -97,14 +156,24 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_wire"))
+    for name, kind in (("--numel", int), ("--dtype", str), ("--host", str), ("--port", int), ("--dev", str)):
+        ap.add_argument(name, type=kind, help=argparse.SUPPRESS)
+    ap.add_argument("--veth-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.veth_worker:
+        return veth_worker(args)
     rows = []
     for mb in args.sizes_mb:
         numel = int(mb * (1 << 20) / 4)
-        ex = statistics.median(exchange_times(numel, args.repeats))
+        times, fp32_bytes = exchange_times(numel, args.repeats)
+        ex = statistics.median(times)
+        times8, int8_bytes = exchange_times(numel, args.repeats, "int8")
         ar = statistics.median(allreduce_times(numel, args.repeats))
         rows.append({"fp32_mb": mb, "exchange_s": ex, "allreduce_s": ar, "ratio": ex / ar,
-                     "exchange_gb_s": 2 * mb / 1024 / ex})
+                     "exchange_gb_s": 2 * mb / 1024 / ex, "exchange_int8_s": statistics.median(times8),
+                     "uplink_bytes_fp32": fp32_bytes, "uplink_bytes_int8": int8_bytes,
+                     "veth_bytes_fp32": veth_bytes(numel, "fp32", args.repeats),
+                     "veth_bytes_int8": veth_bytes(numel, "int8", args.repeats)})
         print(rows[-1], flush=True)
     md = [f"# The decoupled wire against a gloo all-reduce\n",
           f"Command: `python benchmarks/decoupled_wire.py {' '.join(argv or sys.argv[1:])}` "
@@ -112,10 +181,16 @@ def main(argv=None) -> int:
           f"{platform.python_version()}, torch {torch.__version__}. Exchange: Δ up, ACK, READY, θ_g down with the "
           f"shard's outer step in between (K = 1, no grace window), median of {args.repeats}. All-reduce: gloo, 2 "
           f"processes, the same fp32 tensor, median of {args.repeats}.\n",
-          "| fp32 tensor (MiB) | exchange (s) | gloo all-reduce, 2 ranks (s) | exchange / all-reduce | exchange GB/s (up + down) |",
-          "|---|---|---|---|---|"]
+          "| fp32 tensor (MiB) | exchange (s) | gloo all-reduce, 2 ranks (s) | exchange / all-reduce | exchange GB/s "
+          "(up + down) | exchange, int8 up-link (s) | up-link bytes per exchange, fp32 / int8 (ratio) | on the veth, "
+          "fp32 / int8 (ratio) |",
+          "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['fp32_mb']:g} | {r['exchange_s']:.4f} | {r['allreduce_s']:.4f} | {r['ratio']:.2f} | "
-           f"{r['exchange_gb_s']:.2f} |" for r in rows]
+           f"{r['exchange_gb_s']:.2f} | {r['exchange_int8_s']:.4f} | {r['uplink_bytes_fp32']:,} / "
+           f"{r['uplink_bytes_int8']:,} ({r['uplink_bytes_int8'] / r['uplink_bytes_fp32']:.3f}) | "
+           + (f"{r['veth_bytes_fp32']:,.0f} / {r['veth_bytes_int8']:,.0f} "
+              f"({r['veth_bytes_int8'] / r['veth_bytes_fp32']:.3f}) |" if r["veth_bytes_fp32"] else "(not root) |")
+           for r in rows]
     md.append("\nThe exchange moves the tensor twice (up and down) and runs the outer step on the shard; an all-reduce "
               "of 2 ranks moves it about once each way. Framing: 76 bytes of header and the name per message.\n")
     text = "\n".join(md)

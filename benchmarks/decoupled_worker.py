@@ -94,7 +94,7 @@ def main():
     stats = engine.acco_stats() if hasattr(engine, "acco_stats") else {}
     out = {"rank": rank, "steps": engine.global_steps, "micro": micro, "seconds": seconds,
            "tokens": micro * micro_bs * args.block, "tokens_per_inner_step": tokens_per_inner_step, "trace": trace,
-           "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, type(None)))}}
+           "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, list, dict, type(None)))}}
     os.makedirs(args.out, exist_ok=True)
     json.dump(out, open(os.path.join(args.out, f"rank{rank}.json"), "w"), indent=1)
     engine.destroy()

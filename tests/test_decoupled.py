@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from acco_ds.testing.decoupled import replay
+from acco_ds.testing.decoupled import replay, simulate_decoupled
 from acco_ds.testing.simulator import simulate_local_sgd
 from dist import launch
 from test_engine import assert_matches
@@ -98,3 +98,45 @@ def test_timed_periods_weigh_learners_by_tokens_and_replay(tmp_path):
                  staleness="delayed_nesterov", **OUTER)
     numel = results[0][0]["params"][-1].numel()
     torch.testing.assert_close(syncer_theta(state, 1)[:numel].double(), rep["theta"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_a_quantized_up_link_and_overlapping_learners_match_the_simulator(tmp_path):
+    """2 learners of 2 ranks. An int8 up-link (blocks of 16, error feedback on each rank's slice) with K = 2 and
+    no grace: every θ_g a learner adopts is the float64 simulator's with the same quantization, and each DELTA
+    carries 4 ceil(P / 16) + P payload bytes. adopt "overlap" with K = 1 and learner 1 slowed: learners adopt
+    a merge one or more inner steps after their send, and the log (with those steps) replays to the syncer's θ_g."""
+    from test_compression import assert_matches as assert_matches_quantized
+    comp = {"dtype": "int8", "block_size": 16, "apply_to": ["outer"]}
+    q, o = tmp_path / "quantized", tmp_path / "overlap"
+    overlap = {**decoupled(2, o, min_quorum=1, grace_s=0, adopt="overlap"),
+               "emulation": {"slow_rank": 2, "slow_factor": 3.0}}
+    runs = [dict(config=common.ds_config(acco={**decoupled(2, q, min_quorum=2, grace_s=0), "compression": comp},
+                                         gas=GAS), steps=STEPS, record_committed=True),
+            dict(config=common.ds_config(acco=overlap, gas=GAS), steps=4 * H)]
+    results = launch({"runs": runs}, world_size=4, timeout=200, workdir=tmp_path / "run")
+    sim = simulate_decoupled(common.make_model(0), common.loss_fn, common.micro_batch, learners=2, group_size=2,
+                             gradient_accumulation_steps=GAS, sync_every=H, periods=STEPS // H, min_quorum=2,
+                             optimizer_fn=common.reference_optimizer("AdamW"), **OUTER,
+                             compression={"dtype": "int8", "block_size": 16, "error_feedback": True})
+    P = 74  # the test model's 146 parameters, padded to 148, in 2 slices
+    for rank in range(4):
+        r = results[rank][0]
+        assert r["stats"]["uplink"] == "int8 blocks of 16" and r["stats"]["merges"] == STEPS // H
+        assert r["stats"]["delta_bytes"] == STEPS // H * (76 + len("delta") + 4 * -(-P // 16) + P)
+        assert_matches_quantized(r["committed"], [sim["versions"][(t + 1) // H] for t in range(STEPS)])
+    plain = simulate_decoupled(common.make_model(0), common.loss_fn, common.micro_batch, learners=2, group_size=2,
+                               gradient_accumulation_steps=GAS, sync_every=H, periods=STEPS // H, min_quorum=2,
+                               optimizer_fn=common.reference_optimizer("AdamW"), **OUTER)
+    assert float((plain["theta"] - sim["theta"]).abs().max()) > 1e-4  # the quantization shows
+    log = [json.loads(line) for line in (o / "merges.jsonl").read_text().splitlines()]
+    firsts = {}
+    for rec in log:
+        for c in rec["contributions"]:
+            assert c["adopted_after"] >= (1 if c["learner"] in firsts else 0)
+            firsts.setdefault(c["learner"], c)
+    assert sum(c["steps"] for rec in log for c in rec["contributions"]) == 2 * 4 * H  # every step merged once
+    rep = replay(log, common.make_model(0), common.loss_fn, common.micro_batch, learners=2, group_size=2,
+                 gradient_accumulation_steps=GAS, optimizer_fn=common.reference_optimizer("AdamW"), **OUTER)
+    numel = results[0][1]["params"][-1].numel()
+    torch.testing.assert_close(syncer_theta(o, 2)[:numel].double(), rep["theta"], rtol=1e-5, atol=1e-6)

@@ -47,10 +47,8 @@ def test_defaults():
     ({"mode": "decoupled", "local_sgd": {"syncer": {"adress": "h:1"}}},
      'unknown key "acco.local_sgd.syncer.adress"'),
     ({"mode": "decoupled", "local_sgd": {"syncer": {"timeout_s": 0}}}, '"acco.local_sgd.syncer.timeout_s"'),
-    ({"mode": "decoupled", "compression": {"dtype": "int8"}},
-     'acco.compression of the outer exchange is not supported with acco.mode "decoupled"'),
-    ({"mode": "decoupled", "compression": {"dtype": "int8", "apply_to": ["outer"]}},
-     'Set "apply_to": ["rounds"]'),
+    ({"mode": "decoupled", "local_sgd": {"adopt": "later"}}, '"acco.local_sgd.adopt"'),
+    ({"mode": "diloco", "local_sgd": {"adopt": "overlap"}}, 'acco.local_sgd.adopt belongs to mode "decoupled"'),
     ({"mode": "decoupled", "fault_tolerance": {}},
      'acco.fault_tolerance (torchft quorums) and acco.mode "decoupled" exclude each other'),
 ])
@@ -60,10 +58,16 @@ def test_bad_decoupled_settings_are_refused_by_name(acco, needle):
     assert needle in str(err.value), str(err.value)
 
 
-def test_compression_of_the_inner_steps_alone_is_accepted():
+def test_compression_of_the_inner_steps_or_the_up_link_is_accepted():
     acco = parse_acco_config({"acco": {"enabled": True, "mode": "decoupled",
                                        "compression": {"dtype": "int8", "apply_to": ["rounds"]}}})
     assert acco.compression.applies_to("rounds") and not acco.compression.applies_to("outer")
+    acco = parse_acco_config({"acco": {"enabled": True, "mode": "decoupled", "local_sgd": {"adopt": "overlap"},
+                                       "compression": {"dtype": "fp8", "apply_to": ["outer"]}}})
+    assert acco.compression.applies_to("outer") and acco.local_sgd.adopt == "overlap"
+    from acco_ds.runtime.comm.compression import describe  # what the banner and `acco-ds report` say
+    assert describe(acco.compression, True, decoupled=True).endswith(
+        "on: the up-link to the syncer (each learner's pseudo-gradient)")
 
 
 def test_tensor_and_pipeline_parallel_layouts_are_refused_by_name():

@@ -4,8 +4,10 @@ the current global model at once; an unreachable syncer is a clear error after a
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -55,8 +57,8 @@ def test_a_learner_that_dies_stalls_no_one_and_the_shards_stop(tmp_path):
     assert wait_for(lambda: "stopping" in (state / "shard0.log").read_text(), 20), (state / "shard0.log").read_text()
 
 
-def syncer_cmd(config_path, port, state_dir):
-    return [sys.executable, "-m", "acco_ds.cli.report", "syncer", "--config", str(config_path), "--shards", "1",
+def syncer_cmd(config_path, port, state_dir, shards=1):
+    return [sys.executable, "-m", "acco_ds.cli.report", "syncer", "--config", str(config_path), "--shards", str(shards),
             "--port", str(port), "--host", "127.0.0.1", "--state-dir", str(state_dir)]
 
 
@@ -112,3 +114,61 @@ def test_an_unreachable_syncer_is_a_clear_error_after_a_bounded_retry(tmp_path):
     r = launch({"runs": [run]}, world_size=1, timeout=50)[0][0]
     assert f"could not reach syncer shard 0 at 127.0.0.1:{port} within 2 s" in r["init_error"], r["init_error"]
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.timeout(180)
+def test_a_learner_of_two_ranks_re_sends_after_a_syncer_restart_and_its_ranks_adopt_one_merge(tmp_path):
+    """One learner of 2 ranks (shards 0 and 1 of ``acco-ds syncer``), rank 0 slowed so that training lasts. The
+    syncer is killed (SIGKILL, both shards) after two merges and restarted on its state_dir: each rank connects
+    again and re-sends its pending Δ slice, the ranks adopt one version, every inner step is merged exactly once,
+    and the log replays to the syncer's θ_g, which both ranks end on."""
+    from acco_ds.testing.decoupled import replay
+    steps, port, state = 24, free_port(), tmp_path / "syncer"
+    acco = {**block(state, replica_group_size=2, syncer={"address": f"127.0.0.1:{port}", "state_dir": str(state),
+                                                          "timeout_s": 40}),
+            "emulation": {"slow_rank": 0, "slow_factor": 25.0}}
+    cfg = common.ds_config(acco=acco, gas=GAS)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    log = open(tmp_path / "syncer.log", "w")
+
+    def start():
+        return subprocess.Popen(syncer_cmd(path, port, state, shards=2), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    syncer, out = start(), {}
+    run = dict(config=cfg, steps=steps, record_committed=True)
+    learner = threading.Thread(target=lambda: out.update(results=launch({"runs": [run]}, world_size=2, timeout=150,
+                                                                        workdir=tmp_path / "run")))
+    try:
+        learner.start()
+        assert wait_for(lambda: len(merges(state)) >= 2, 90), (tmp_path / "syncer.log").read_text()
+        os.killpg(syncer.pid, signal.SIGKILL)
+        syncer.wait(20)
+        killed_at = len(merges(state))
+        time.sleep(1.0)
+        syncer = start()
+        learner.join(160)
+    finally:
+        if syncer.poll() is None:
+            os.killpg(syncer.pid, signal.SIGTERM)
+            syncer.wait(20)
+        log.close()
+    assert killed_at < steps // H, "the learner finished before the kill: nothing was re-sent"
+    assert "resumed version" in (tmp_path / "syncer.log").read_text()
+    r0, r1 = out["results"][0][0], out["results"][1][0]
+    log_ = merges(state)
+    assert [rec["version"] for rec in log_] == list(range(1, steps // H + 1))  # nothing merged twice or lost
+    assert sum(c["steps"] for rec in log_ for c in rec["contributions"]) == steps
+    for r in (r0, r1):
+        assert r["global_steps"] == steps and r["stats"]["version"] == steps // H
+        assert r["stats"]["reconnects"] >= 1 and r["stats"]["merges"] == steps // H
+    assert torch.equal(r0["params"][-1], r1["params"][-1])  # the ranks adopted one merge
+    theta = torch.cat([torch.load(state / f"shard{j}.pt", weights_only=True)["x"] for j in range(2)])
+    numel = r0["params"][-1].numel()
+    rep = replay(log_, common.make_model(0), common.loss_fn, common.micro_batch, learners=1, group_size=2,
+                 gradient_accumulation_steps=GAS, optimizer_fn=common.reference_optimizer("AdamW"), outer_lr=0.7,
+                 outer_momentum=0.9, nesterov=True)
+    torch.testing.assert_close(theta[:numel].double(), rep["theta"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r0["committed"][-1].double(), rep["theta"], rtol=1e-5, atol=1e-6)

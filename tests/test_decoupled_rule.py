@@ -107,3 +107,69 @@ def test_a_dead_learner_never_stalls_the_others_and_a_relaunched_one_starts_from
     back = run(min_quorum=1, grace_s=0.0, deaths={1: 3.0}, rejoins={1: 4.5}, periods=3)
     rejoined = [c for rec in back["log"] for c in rec.contributions if c.learner == 1]
     assert len(rejoined) >= 2 and rejoined[1].base >= 2
+
+
+def test_overlap_adopts_at_the_next_step_boundary_keeping_the_progress_since_the_send():
+    """adopt "overlap", one learner, K = 1: each merge is made as its Δ arrives, and the learner takes it one inner
+    step into its next period: θ ← θ_g + (θ − sent). Written out by hand here, and replayed from the log."""
+    from acco_ds.testing.simulator import replica_inner_step
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    H, P = 3, 3
+    out = run(learners=1, min_quorum=1, grace_s=0.0, sync_every=H, periods=P, adopt="overlap")
+    assert [c.adopted_after for rec in out["log"] for c in rec.contributions] == [0, 1, 1]
+    assert out["idle_s"] == [0.0]
+    model = common.make_model(0).double()
+    params = [p for p in model.parameters()]
+    opt = common.reference_optimizer("AdamW")(model)
+    rule = OuterRule(parameters_to_vector(params).detach().clone(), **OUTER, nesterov_delay=1)
+    nxt, anchor, sent = [0], rule.x.clone(), None
+    for p in range(P):
+        for n in range(H):
+            if n == 1 and sent is not None:  # the merge of the last Δ arrived: adopt it, keep one step's progress
+                theta = parameters_to_vector(params).detach()
+                vector_to_parameters(rule.x + (theta - sent), params)
+                anchor = rule.x.clone()
+            replica_inner_step(model, params, range(1), 2, nxt, common.loss_fn, common.micro_batch, opt, 0.0, None)
+        sent = parameters_to_vector(params).detach().clone()
+        rule.step(anchor - sent)
+    torch.testing.assert_close(out["theta"], rule.x, rtol=0, atol=1e-12)
+    torch.testing.assert_close(replay_of(out, learners=1)["theta"], out["theta"], rtol=0, atol=0)
+
+
+def test_overlap_learners_never_wait_their_periods_stretch_to_their_merge_and_the_log_replays():
+    wait = run(min_quorum=2, grace_s=0.0, step_time=[1.0, 3.0], periods=3)
+    over = run(min_quorum=2, grace_s=0.0, step_time=[1.0, 3.0], periods=3, adopt="overlap")
+    # K = 2: waiting, the fast learner (periods of 2 s) idles 4 s a merge for the slow one (6 s). Overlapping, it
+    # trains on: sent at 2, merged at 6, its period runs to its adoption (4 steps), and so on; the slow one
+    # adopts one step into its next period. Steps, and so tokens, follow.
+    assert wait["idle_s"] == [12.0, 0.0] and over["idle_s"] == [0.0, 0.0]
+    assert [[(c.adopted_after, c.steps, c.tokens) for c in rec.contributions] for rec in over["log"]] == \
+        [[(0, 2, 2), (0, 2, 2)], [(4, 4, 4), (1, 2, 2)], [(6, 6, 6), (1, 2, 2)]]
+    rep = replay_of(over)
+    torch.testing.assert_close(rep["theta"], over["theta"], rtol=0, atol=0)
+    assert float((over["theta"] - wait["theta"]).abs().max()) > 1e-4  # another rule than "wait"
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_quantized_up_link_is_merged_dequantized_and_the_log_replays_with_it(k):
+    """int8 blocks of 16 with error feedback on each rank's ZeRO-1 slice: another θ_g than fp32, and the replay
+    (which quantizes the same way) reproduces it exactly."""
+    from acco_ds.testing.compressed import Quantizer
+    comp = {"dtype": "int8", "block_size": 16, "error_feedback": True}
+    plain = run(group_size=k, min_quorum=1, grace_s=0.0, step_time=[1.0, 1.5])
+    quant = run(group_size=k, min_quorum=1, grace_s=0.0, step_time=[1.0, 1.5], compression=comp)
+    assert [r.as_dict()["learners"] for r in quant["log"]] == [r.as_dict()["learners"] for r in plain["log"]]
+    assert float((quant["theta"] - plain["theta"]).abs().max()) > 1e-4
+    torch.testing.assert_close(replay_of(quant, group_size=k, compression=comp)["theta"], quant["theta"], rtol=0,
+                               atol=0)
+    # The first merge is learner 0's first Δ, quantized by hand: one Nesterov step on deq(Q(Δ)) per slice.
+    first = run(learners=1, group_size=k, min_quorum=1, grace_s=0.0, periods=1)
+    delta = first["versions"][0] - first["theta"]  # plain: Δ = (1 + 0.9) 0.7 Δ̄ undone below
+    delta = delta / (0.7 * 1.9)
+    n = delta.numel()
+    padded = torch.cat([delta, delta.new_zeros(-(-n // (2 * k)) * 2 * k - n)])
+    P = padded.numel() // k
+    q = Quantizer("int8", 16)
+    sent = torch.cat([q.send(padded[r * P:(r + 1) * P], key=r) for r in range(k)])[:n]
+    one = run(learners=1, group_size=k, min_quorum=1, grace_s=0.0, periods=1, compression=comp)
+    torch.testing.assert_close(one["theta"], first["versions"][0] - 0.7 * 1.9 * sent, rtol=0, atol=1e-12)

@@ -182,3 +182,67 @@ def test_a_delta_re_sent_to_a_restarted_shard_is_not_merged_twice(tmp_path):
     time.sleep(0.3)
     assert again.state.version == 1 and again.resent == 1 and not again.pending
     again.stop()
+
+
+def quantize(v, dtype="int8", block=8):
+    """The learner's up-link encoding (``link.Uplink``) of ``v``, with its error-feedback residual."""
+    from acco_ds import ops
+    from acco_ds.runtime.comm.compression import Codec, OuterCompression
+    from acco_ds.runtime.outer.decoupled.link import Uplink
+    up = Uplink(OuterCompression(Codec(dtype, block, ops.load_kernels("auto", torch.device("cpu"))), torch.float32))
+    return up, up.message(v, learner=0, incarnation=7, base=0, tokens=1, steps=1)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_a_quantized_delta_travels_as_scales_and_bytes_and_is_dequantized_with_error_feedback(dtype):
+    from acco_ds.testing.compressed import Quantizer
+    torch.manual_seed(0)
+    v = torch.randn(37)
+    up, msg = quantize(v, dtype)
+    a, b = pair()
+    sent = wire.send(a, msg)
+    assert sent == wire.HEADER.size + len("delta") + 4 * 5 + 37  # 5 fp32 scales (blocks of 8), 37 one-byte values
+    got = wire.recv(b, 1 << 20)
+    assert got.extra == {"quantized": dtype, "numel": 37, "block": 8} and got.tensor.dtype == torch.uint8
+    ref = Quantizer(dtype, 8)
+    want = ref.send(v.double(), key=0)
+    torch.testing.assert_close(wire.dequantize(got).tensor.double(), want, rtol=0, atol=0)
+    torch.testing.assert_close(up.compression.residuals["uplink"].double(), ref.residuals[0], rtol=0, atol=1e-7)
+    # Error feedback: the next send carries what this one left out.
+    w = torch.randn(37)
+    again = wire.dequantize(up.message(w, learner=0, incarnation=7, base=1, tokens=1, steps=1)).tensor
+    torch.testing.assert_close(again.double(), ref.send(w.double(), key=0), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(dtype=7, ndim=1, d0=37, d1=0, payload=57), "shape"),  # no block size
+    (dict(dtype=7, ndim=2, d0=37, d1=4, payload=57), "shape"),  # block below 8
+    (dict(dtype=7, ndim=2, d0=37, d1=8, payload=56), "payload"),  # one byte short
+    (dict(dtype=8, ndim=2, d0=37, d1=8, payload=37 * 4), "payload"),  # fp32-sized
+    (dict(dtype=7, ndim=2, d0=1 << 40, d1=8, payload=(1 << 40) + (1 << 39)), "payload"),  # oversized
+])
+def test_a_malformed_quantized_header_is_refused_by_name(over, field):
+    with pytest.raises(wire.WireError) as err:
+        wire.parse_header(header(**over), 1 << 20)
+    assert err.value.field == field
+
+
+def test_a_shard_merges_a_quantized_delta_as_its_dequantized_values(shard):
+    theta0 = torch.randn(37)
+    a, _ = learner(shard, 0, 7)
+    wire.send(a, wire.Message("INIT", learner=0, incarnation=7, name="theta", tensor=theta0))
+    shard.K = 1
+    d = torch.randn(37)
+    _, msg = quantize(d)
+    wire.send(a, msg)
+    wire.expect(wire.recv(a, 1 << 20), "ACK")
+    wire.send(a, wire.Message("READY", learner=0, incarnation=7, base=0, tokens=1, steps=1))
+    got = wire.expect(wire.recv(a, 1 << 20), "PARAMS", "theta", 37)
+    rule = OuterRule(theta0.double(), outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    rule.step(wire.dequantize(msg).tensor.double())
+    torch.testing.assert_close(got.tensor.double(), rule.x, rtol=1e-6, atol=1e-6)
+    assert shard.bytes_in == 4 * 5 + 37
+    # A quantized Δ of the wrong length is refused like an fp32 one.
+    c, _ = learner(shard, 0, 7)
+    wire.send(c, quantize(torch.randn(36))[1])
+    assert "refused message" in wire.recv(c, 1 << 20).text and shard.state.version == 1

@@ -135,7 +135,8 @@ def config_report(path: str) -> int:
               f"{f'{ls.value_bits}-bit' if ls.value_bits else 'fp32'} values, error decay {ls.error_decay:g}")
     c = acco.collectives
     print(f"collectives ........ layout {c.layout}, ranks_per_node {c.ranks_per_node or 'auto (launcher)'}")
-    print(f"compression ........ {describe(acco.compression, acco.local and not sparse)}")
+    what = describe(acco.compression, acco.local and not sparse, decoupled=acco.mode == "decoupled")
+    print(f"compression ........ {what}")
     return 0
 
 

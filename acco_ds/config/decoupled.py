@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 DECOUPLED = "decoupled"
 # local_sgd keys that only mode "decoupled" reads.
-DECOUPLED_ONLY = ("sync_every_s", "min_quorum", "grace_s", "merge", "staleness", "nesterov_delay", "syncer")
+DECOUPLED_ONLY = ("sync_every_s", "min_quorum", "grace_s", "merge", "staleness", "nesterov_delay", "adopt", "syncer")
 # local_sgd keys of other modes that mean nothing to the syncer.
 NOT_DECOUPLED = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "staleness_penalty",
                  "outer_momentum_clip", "chunk", "topk", "error_decay", "value_bits", "sync_time_s",
@@ -78,6 +78,13 @@ class DecoupledKeys(_Block):
     """``decoupled`` with ``delayed_nesterov`` only: N, merges per momentum update (default: the number of
     learners)."""
 
+    adopt: Literal["wait", "overlap"] = "wait"
+    """``decoupled`` only: what a learner does once it sent a pseudo-gradient. ``wait``: it waits for the merge
+    that holds it and starts its next period from that global model. ``overlap``: it trains on at once and takes
+    the merge at the first inner-step boundary after it arrived, keeping the progress made since the send
+    (weights ← global model + that progress); its next period ends once it is long enough and that merge is
+    adopted, so it never waits for a merge."""
+
     syncer: Optional[SyncerConfig] = None
     """``decoupled`` only: where its syncer runs (default: the launch starts its own shards); see
     ``SyncerConfig``."""
@@ -115,11 +122,6 @@ def check_decoupled(acco) -> None:
                          'decoupled learner has no quorum to wait for; its syncer already drops learners that die '
                          'and lets relaunched ones in. Remove acco.fault_tolerance (name the syncer with '
                          'acco.local_sgd.syncer.address to run one launch per learner)')
-    comp = acco.compression
-    if comp.enabled and (comp.apply_to is None or "outer" in comp.apply_to):
-        raise ValueError('acco.compression of the outer exchange is not supported with acco.mode "decoupled" yet: '
-                         'its pseudo-gradients travel to the syncer in fp32. Set "apply_to": ["rounds"] to compress '
-                         'only the inner steps, or remove acco.compression')
 
 
 def check_decoupled_layout(groups) -> None:

@@ -235,7 +235,8 @@ class CompressionConfig(_Documented):
     apply_to: Optional[List[Literal["rounds", "outer"]]] = Field(None, min_length=1)
     """What to compress. ``rounds``: the reduce-scatter and all-gather of every round (acco, dpu, sync and
     the local-SGD inner steps; with a node-aware layout only the step across nodes). ``outer``: the
-    local-SGD outer all-reduce of the pseudo-gradient (diloco, co2, edit). Default (``"auto"``): each of
+    local-SGD outer all-reduce of the pseudo-gradient (diloco, co2, edit); listed, also the up-link
+    of each pseudo-gradient to the syncer (decoupled). Default (``"auto"``): each of
     them whose group spans more than one node (see ``collectives.ranks_per_node``); what stays inside a
     node keeps full precision. List an entry to compress it wherever it runs."""
 

@@ -28,6 +28,19 @@ pseudo-gradient in between::
 Over a window of N merges ``x`` moves by ``η (B/N + μ m)``: one Nesterov step on the window's mean. With N = 1
 it is plain Nesterov.
 
+With adopt ``"overlap"`` a learner trains on after its send (its next period's steps count from the send) and
+takes the merge at the first inner-step boundary after it was made, ``s ≥ 1`` steps into its next period, keeping
+what it learned since the send; that period ends after ``max(H, s)`` steps (never before its merge is adopted,
+so a learner never waits)::
+
+    send:   Δ = θ_g(v_i) − θ;  sent ← θ
+    adopt:  θ ← θ_g(v') + (θ − sent);  v_i ← v'       (s steps after the send; 0 steps: θ ← θ_g(v'))
+
+so every inner step's progress lands in exactly one Δ; the log records ``s`` (``adopted_after``) per
+contribution. The up-link may be block-quantized (``compression``): each rank r of learner i sends
+``deq(Q(Δ_r + e_ir))`` of its ZeRO-1 slice, ``e_ir`` its error-feedback residual (``testing.compressed``'s
+``Quantizer``, the wire format of ``ops.reference``); the syncer merges the dequantized values.
+
 A learner that dies before its Δ is merged has it dropped (it is not there to adopt the result); a relaunched
 learner starts from the current θ_g. Every merge is logged (``MergeRecord``); ``replay`` recomputes the same
 θ_g from a log alone, whatever the timing that produced it, which is how a run of the engine (where arrival
@@ -35,124 +48,12 @@ order depends on wall time) is checked.
 """
 
 import heapq
-from dataclasses import dataclass, field
+import math
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .simulator import make_replicas, replica_inner_step
-
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
-
-
-@dataclass
-class Contribution:
-    """One learner's pseudo-gradient inside a merge."""
-    learner: int
-    base: int  # the version v_i its period started from
-    steps: int  # inner steps in its period
-    tokens: int  # its merge weight under "tokens"
-
-    @property
-    def as_dict(self) -> dict:
-        return {"learner": self.learner, "base": self.base, "steps": self.steps, "tokens": self.tokens}
-
-
-@dataclass
-class MergeRecord:
-    """One merge: the version it made, who was in it, and how stale each was (``version − 1 − base``)."""
-    version: int
-    contributions: List[Contribution]
-    time: float = 0.0
-
-    @property
-    def staleness(self) -> List[int]:
-        return [self.version - 1 - c.base for c in self.contributions]
-
-    def as_dict(self) -> dict:
-        return {"version": self.version, "time": self.time, "learners": [c.learner for c in self.contributions],
-                "tokens": [c.tokens for c in self.contributions], "staleness": self.staleness,
-                "contributions": [c.as_dict for c in self.contributions]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MergeRecord":
-        return cls(int(d["version"]), [Contribution(int(c["learner"]), int(c["base"]), int(c["steps"]),
-                                                    int(c["tokens"])) for c in d["contributions"]],
-                   float(d.get("time", 0.0)))
-
-
-class OuterRule:
-    """The syncer's arithmetic on a flat vector: the weighted mean and the outer step (reference form)."""
-
-    def __init__(self, theta0: torch.Tensor, *, outer_lr: float, outer_momentum: float, nesterov: bool,
-                 merge: str = "tokens", staleness: str = "none", nesterov_delay: int = 1):
-        if merge not in ("tokens", "equal") or staleness not in ("none", "delayed_nesterov"):
-            raise ValueError(f"unknown merge {merge!r} or staleness {staleness!r}")
-        self.x = theta0.clone()
-        self.m = torch.zeros_like(self.x)
-        self.buffer = torch.zeros_like(self.x)
-        self.since = 0
-        self.version = 0
-        self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
-        self.merge, self.staleness, self.N = merge, staleness, nesterov_delay
-        self.history = {0: self.x.clone()}  # θ_g of every version
-
-    def mean(self, deltas: Sequence[torch.Tensor], tokens: Sequence[int]) -> torch.Tensor:
-        w = [1.0] * len(deltas) if self.merge == "equal" or len(set(tokens)) == 1 else [float(t) for t in tokens]
-        total = sum(w)
-        out = torch.zeros_like(self.x)
-        for wi, d in zip(w, deltas):
-            out += wi * d
-        return out / total
-
-    def step(self, mean: torch.Tensor) -> None:
-        lr, mu = self.lr, self.mu
-        if self.staleness == "delayed_nesterov":
-            self.buffer += mean
-            self.since += 1
-            if self.since < self.N:
-                self.x -= lr * mean / self.N
-            else:
-                self.m = mu * self.m + self.buffer / self.N
-                self.x -= lr * (mean / self.N + mu * self.m)
-                self.buffer.zero_()
-                self.since = 0
-        else:
-            self.m = mu * self.m + mean
-            self.x -= lr * (mean + mu * self.m if self.nesterov else self.m)
-        self.version += 1
-        self.history[self.version] = self.x.clone()
-
-
-class _Learners:
-    """M learners of ``k`` ranks in float64; learner ``i``'s rank ``r`` reads ``micro_batch(i*k + r, n)``."""
-
-    def __init__(self, model, loss_fn, micro_batch, M, k, gas, optimizer_fn, clip, lr_lambda, dtype):
-        self.M, self.k, self.gas, self.loss_fn, self.micro_batch, self.clip = M, k, gas, loss_fn, micro_batch, clip
-        self.models, self.opts, self.scheds, self.params = make_replicas(model, M, optimizer_fn, lr_lambda, dtype)
-        self.nxt = [0] * (M * k)
-        self.dtype = dtype
-
-    def theta(self, i: int) -> torch.Tensor:
-        return parameters_to_vector([p.detach() for p in self.params[i]]).clone()
-
-    def set(self, i: int, value: torch.Tensor) -> None:
-        with torch.no_grad():
-            vector_to_parameters(value.to(self.dtype).clone(), self.params[i])
-
-    def period(self, i: int, start: torch.Tensor, steps: int) -> torch.Tensor:
-        """Train learner ``i`` ``steps`` inner steps from ``start``; return its Δ = start − end."""
-        self.set(i, start)
-        for _ in range(steps):
-            replica_inner_step(self.models[i], self.params[i], range(i * self.k, (i + 1) * self.k), self.gas,
-                               self.nxt, self.loss_fn, self.micro_batch, self.opts[i], self.clip, self.scheds[i])
-        return start - self.theta(i)
-
-
-def auto_grace(period_ewma: Optional[float], fraction: float = 0.1) -> float:
-    """``grace_s: "auto"``: a tenth of the learners' mean period (EWMA of arrival-to-arrival times); 0 before
-    any period has been measured. The engine's syncer uses the same rule."""
-    return 0.0 if period_ewma is None else fraction * period_ewma
+from .decoupled_parts import Contribution, Learners, MergeRecord, OuterRule, auto_grace
 
 
 def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: Callable, *, learners: int,
@@ -161,21 +62,27 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
                        min_quorum: int = 1, grace_s: float = 0.0, merge: str = "tokens", staleness: str = "none",
                        nesterov_delay: Optional[int] = None, step_time: Optional[Sequence[float]] = None,
                        deaths: Optional[Dict[int, float]] = None, rejoins: Optional[Dict[int, float]] = None,
-                       tokens_per_step: int = 1, lr_lambda=None, clip: float = 0.0,
-                       dtype: torch.dtype = torch.float64) -> dict:
+                       tokens_per_step: int = 1, lr_lambda=None, clip: float = 0.0, adopt: str = "wait",
+                       compression: Optional[dict] = None, dtype: torch.dtype = torch.float64) -> dict:
     """Run every learner ``periods`` periods of ``sync_every`` inner steps in virtual time (``step_time[i]``
     seconds per inner step of learner i, default 1). ``deaths[i]``: learner i dies at that time (its period in
     progress, and a Δ waiting for its merge, are dropped); ``rejoins[i]``: it comes back then, from the current
     θ_g, with its periods left. Returns ``{"theta": θ_g, "version": v, "versions": {v: θ_g}, "log":
     [MergeRecord], "learner_periods": [...], "idle_s": [...]}``. With ``min_quorum`` = learners and
-    ``grace_s`` 0 the result is ``simulate_local_sgd("diloco", ...)``'s anchor."""
+    ``grace_s`` 0 (adopt "wait", no compression) the result is ``simulate_local_sgd("diloco", ...)``'s anchor.
+    ``adopt``: "wait" or "overlap" (module docstring); ``compression``: the up-link's ``{"dtype",
+    "block_size", "error_feedback"}``."""
+    if adopt not in ("wait", "overlap"):
+        raise ValueError(f"adopt must be 'wait' or 'overlap', got {adopt!r}")
     M = learners
     step_time = list(step_time or [1.0] * M)
     deaths, rejoins = dict(deaths or {}), dict(rejoins or {})
-    L = _Learners(model, loss_fn, micro_batch, M, group_size, gradient_accumulation_steps, optimizer_fn, clip,
-                  lr_lambda, dtype)
+    L = Learners(model, loss_fn, micro_batch, M, group_size, gradient_accumulation_steps, optimizer_fn, clip,
+                 lr_lambda, dtype, compression)
     rule = OuterRule(L.theta(0), outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, merge=merge,
                      staleness=staleness, nesterov_delay=nesterov_delay or M)
+    H = sync_every
+    adopted, steps = [0] * M, [H] * M
     live = set(range(M))
     pending: Dict[int, tuple] = {}  # learner -> (Δ, Contribution, arrival time)
     base = [0] * M
@@ -193,13 +100,16 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
         seq[0] += 1
         heapq.heappush(events, (t, prio, seq[0], kind, who, data))
 
-    def start(i, t):
+    def start(i, t, adopt_at=0):
+        """Learner ``i`` sent at time ``t`` (0 steps into the next period), or adopts at ``t``, ``adopt_at``
+        steps into it (overlap): compute that period (``max(H, adopt_at)`` steps) and schedule its arrival."""
         if done[i] >= periods:
             live.discard(i)
             return
-        delta = L.period(i, rule.history[rule.version], sync_every)
-        base[i] = rule.version
-        push(t + sync_every * step_time[i], 0, "arrive", i, epoch[i], delta)
+        steps[i] = max(H, adopt_at)
+        delta = L.period(i, rule.history[rule.version], steps[i], adopt_at)
+        base[i], adopted[i] = rule.version, adopt_at
+        push(t + (steps[i] - adopt_at) * step_time[i], 0, "arrive", i, epoch[i], delta)
 
     def maybe_merge(t, check_only=False):
         need = max(1, min(min_quorum, len(live)))  # K, capped by the learners alive
@@ -217,11 +127,15 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
         rule.step(rule.mean([pending[j][0] for j in order], [c.tokens for c in contribs]))
         log.append(MergeRecord(rule.version, contribs, t))
         for j in order:
-            idle[j] += t - waiting_since.pop(j)
+            sent_at = waiting_since.pop(j)
             done[j] += 1
+            if adopt == "wait":
+                idle[j] += t - sent_at
+                start(j, t)
+            else:  # the first step boundary after the merge; the learner never waits
+                s = max(1, math.ceil((t - sent_at) / step_time[j] - 1e-9))
+                start(j, sent_at + s * step_time[j], s)
         pending.clear()
-        for j in order:
-            start(j, t)
 
     for i in range(M):
         start(i, 0.0)
@@ -234,6 +148,7 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
         if kind == "die":
             live.discard(i)
             epoch[i] += 1
+            L.forget(i)
             pending.pop(i, None)
             waiting_since.pop(i, None)
             maybe_merge(t)
@@ -247,7 +162,7 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
                 span = t - last_arrival[i]
                 period_ewma[0] = span if period_ewma[0] is None else 0.7 * period_ewma[0] + 0.3 * span
             last_arrival[i] = t
-            pending[i] = (data[1], Contribution(i, base[i], sync_every, sync_every * tokens_per_step), t)
+            pending[i] = (data[1], Contribution(i, base[i], steps[i], steps[i] * tokens_per_step, adopted[i]), t)
             waiting_since[i] = t
             maybe_merge(t)
         elif kind == "check":
@@ -260,16 +175,17 @@ def replay(log: Sequence, model: torch.nn.Module, loss_fn: Callable, micro_batch
            group_size: int, gradient_accumulation_steps: int, optimizer_fn: Callable, outer_lr: float,
            outer_momentum: float, nesterov: bool, merge: str = "tokens", staleness: str = "none",
            nesterov_delay: Optional[int] = None, lr_lambda=None, clip: float = 0.0,
-           dtype: torch.dtype = torch.float64) -> dict:
+           compression: Optional[dict] = None, dtype: torch.dtype = torch.float64) -> dict:
     """θ_g after every merge of ``log`` (``MergeRecord``s or their ``as_dict()``), recomputed from the log alone:
-    learner i's contribution to a merge is its next period (``steps`` inner steps on its next data) trained from
-    θ_g of the recorded base version. Every learner must appear in the log in the order it trained (a learner
-    that died has periods that never reached a merge: they are not in the log and used no data here, so a
-    replay of a run with deaths matches only when the engine's data follow the same rule). Returns
-    ``{"theta": θ_g, "versions": {v: θ_g}}``."""
+    learner i's contribution to a merge is its next period (``steps`` inner steps on its next data) trained from θ_g
+    of the recorded base version, adopted ``adopted_after`` steps into it (adopt "overlap"), its Δ quantized as the
+    up-link sent it (``compression``). Every learner must appear in the log in the order it trained (a learner that
+    died has periods that never reached a merge: they are not in the log and used no data here, so a replay of a run
+    with deaths matches only when the engine's data follow the same rule).
+    Returns ``{"theta": θ_g, "versions": {v: θ_g}}``."""
     records = [r if isinstance(r, MergeRecord) else MergeRecord.from_dict(r) for r in log]
-    L = _Learners(model, loss_fn, micro_batch, learners, group_size, gradient_accumulation_steps, optimizer_fn,
-                  clip, lr_lambda, dtype)
+    L = Learners(model, loss_fn, micro_batch, learners, group_size, gradient_accumulation_steps, optimizer_fn,
+                 clip, lr_lambda, dtype, compression)
     rule = OuterRule(L.theta(0), outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, merge=merge,
                      staleness=staleness, nesterov_delay=nesterov_delay or learners)
     # A learner trains period p before any merge whose version is above its base: compute Δs in log order.
@@ -281,7 +197,7 @@ def replay(log: Sequence, model: torch.nn.Module, loss_fn: Callable, micro_batch
             if c.base not in rule.history:
                 raise ValueError(f"merge {rec.version}: learner {c.learner} started from version {c.base}, "
                                  f"which this log never made")
-            deltas.append(L.period(c.learner, rule.history[c.base], c.steps))
+            deltas.append(L.period(c.learner, rule.history[c.base], c.steps, c.adopted_after))
         rule.step(rule.mean(deltas, [c.tokens for c in rec.contributions]))
     return {"theta": rule.x, "versions": rule.history}
 

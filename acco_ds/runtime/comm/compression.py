@@ -104,9 +104,11 @@ def round_codec(acco, kernels, layout, world_size: int, crosses_nodes: bool = Tr
     return Codec(c.dtype, c.block_size, kernels), RoundCompression(peers, residual_dtype(c))
 
 
-def describe(c, local: bool, rounds: Optional[bool] = None, outer: Optional[bool] = None) -> str:
+def describe(c, local: bool, rounds: Optional[bool] = None, outer: Optional[bool] = None,
+             decoupled: bool = False) -> str:
     """What a ``CompressionConfig`` compresses, in words (the banner and ``acco-ds report --config``);
-    ``rounds``/``outer``: whether the run compresses them (None: as configured, before groups exist)."""
+    ``rounds``/``outer``: whether the run compresses them (None: as configured, before groups exist);
+    ``decoupled``: the outer exchange is the up-link to the syncer, not an all-reduce."""
     if not c.enabled:
         return "off (full precision)"
     auto = c.apply_to is None
@@ -116,7 +118,7 @@ def describe(c, local: bool, rounds: Optional[bool] = None, outer: Optional[bool
     if rounds:
         what.append("round reduce-scatter + all-gather (node-aware: the step across nodes)")
     if outer:
-        what.append("outer all-reduce")
+        what.append("the up-link to the syncer (each learner's pseudo-gradient)" if decoupled else "outer all-reduce")
     if auto:
         what.append("auto: only groups that span nodes")
     ef = f"error feedback in {c.residual_dtype}" if c.error_feedback else "no error feedback"

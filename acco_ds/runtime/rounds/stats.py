@@ -87,7 +87,8 @@ def banner(acco, opt, host: str = "ACCO engine") -> str:
 
 def _compression(acco, opt) -> str:
     outer = opt.outer.stats().get("outer_compression") is not None
-    return describe(acco.compression, acco.local, rounds=opt.codec is not None, outer=outer)
+    return describe(acco.compression, acco.local, rounds=opt.codec is not None, outer=outer,
+                    decoupled=acco.mode == "decoupled")
 
 
 def round_words(s: dict) -> str:

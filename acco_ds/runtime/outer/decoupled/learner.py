@@ -1,19 +1,23 @@
 """The learner side of ``"mode": "decoupled"``: a replica group that never waits for another.
 
 Every rank of a learner holds its ZeRO-1 partition j of the model (the fp32 master shards of every parameter
-group, end to end: its *slice*) and talks to syncer shard j only. A period (``sync_every`` inner steps, or
-``sync_every_s`` seconds) ends with::
+group, end to end: its *slice*) and talks to syncer shard j only (``link.Link``). A period (``sync_every`` inner
+steps, or ``sync_every_s`` seconds) ends with::
 
-    every rank:  Δ_j = anchor_j − master_j  → shard j (DELTA, with the base version, the period's tokens)
-                 wait for the shard's ACK (the slice is held)
-    the replica: one barrier (every rank's slice is held), then rank 0 says READY to shard 0
-    every rank:  wait for PARAMS from shard j: θ_g slice of the merge that took this Δ, version v
-                 masters ← θ_g; anchor ← θ_g; bit16 weights ← their all-gather inside the replica
+    every rank:  Δ_j = anchor_j − master_j  → shard j (DELTA: fp32, or block-quantized with error feedback)
+    one rank:    READY to shard 0 right after its DELTA (the shard reads them in order)
+    k ranks:     each waits for its shard's ACK, the ranks agree that every slice is held, rank 0 says READY
+    every rank:  PARAMS from shard j: θ_g slice of the merge that took this Δ, version v
+                 masters ← θ_g (adopt "overlap": θ_g + the progress made since the send); anchor ← θ_g;
+                 bit16 weights ← their all-gather inside the replica
 
-So the only wait is for the learner's own merge; other learners are never waited for. ``join`` connects (an
-empty syncer takes this learner's weights as θ_g version 0) and takes the current θ_g, retrying until every
-rank holds the same version. The launch starts its own shards (``own_shards``) unless
-``local_sgd.syncer.address`` names a syncer started with ``acco-ds syncer``.
+With adopt ``wait`` a rank waits for PARAMS before its next inner step; with ``overlap`` it trains on and looks for
+PARAMS after every inner step (the ranks of a learner agree, with one small all-reduce, to adopt at the same step),
+and its next period ends once it is long enough and that merge is adopted: it never waits. A rank that loses its
+shard (a restart) connects again and every rank re-sends its Δ slice (a shard answers a Δ it merged before the
+restart with θ_g); the ranks adopt only once every one holds PARAMS of one version. ``join`` connects (an empty
+syncer takes this learner's weights as θ_g version 0) and takes the current θ_g. The launch starts its own shards
+(``own_shards``) unless ``local_sgd.syncer.address`` names a syncer started with ``acco-ds syncer``.
 """
 
 import os
@@ -27,9 +31,12 @@ import torch.distributed as tdist
 from ....config.decoupled import check_decoupled_layout
 from ..base import LocalSGD
 from . import wire
+from .exchange import Exchange
+from .link import Link, Uplink
 from .own_shards import shard_address
 
-class DecoupledLearner(LocalSGD):
+
+class DecoupledLearner(Exchange, LocalSGD):
     """The outer loop of mode ``decoupled`` (see the module docstring). Args: as ``LocalSGD``."""
 
     schedule_mode = "diloco"
@@ -40,24 +47,33 @@ class DecoupledLearner(LocalSGD):
         from ....algorithms.periods import PeriodSchedule
         ls = self.local
         self.timed = ls.sync_every_s is not None
-        self.schedule = PeriodSchedule("edit" if self.timed else "diloco", None if self.timed else ls.sync_every)
+        self.overlap = ls.adopt == "overlap"
+        # adopt "overlap": a period ends once it is long enough and its previous merge is adopted (``time_up``)
+        own = self.timed or self.overlap
+        self.schedule = PeriodSchedule("edit" if own else "diloco", None if own else ls.sync_every)
         self.syncer_config = ls.syncer
         self.timeout_s = ls.syncer.timeout_s if ls.syncer is not None else 120.0
-        self.max_bytes = int((ls.syncer.max_message_mb if ls.syncer is not None else 4096.0) * (1 << 20))
+        max_bytes = int((ls.syncer.max_message_mb if ls.syncer is not None else 4096.0) * (1 << 20))
+        if acco.compression.apply_to is None:  # "auto" judges groups that span nodes; a syncer may be anywhere
+            self.compression = None
+        self.uplink = Uplink(self.compression)
         self.learner = self._learner_id()
         self.incarnation = self._incarnation()
         self.version = 0
         self.merges = 0  # merges this learner took part in
         self.staleness: List[int] = []  # versions between this learner's base and each of its merges
-        self.sock = None
+        self.inflight: Optional[dict] = None  # the Δ sent and not adopted yet
+        self.steps_since_send = 0
+        self.adopted_after = 0  # inner steps of this period taken before its base was adopted (overlap)
         self.procs: list = []  # the shards this rank started (own_shards)
         self.period_start = time.monotonic()
-        self.wire_s = 0.0  # seconds in the exchange with the syncer (send, merge wait, receive)
-        self.reconnects = 0
-        self.max_wait_s = 0.0  # the longest exchange of one period (send, merge wait, receive)
-        self.bytes_sent = 0
+        self.wire_s = 0.0  # seconds in the exchange with the syncer (send, merge wait, receive, adopt)
+        self.max_wait_s = 0.0  # the longest pause between two inner steps for the exchange
+        self.phase_s = {"send": 0.0, "wait": 0.0, "adopt": 0.0}  # where the exchange's time goes (wait: with resends)
+        self.longest: dict = {}  # those phases within the longest pause
         self.numel = sum(m.numel() for m in shards.masters)
         self.address = shard_address(self)
+        self.link = Link(self.address, self.learner, self.incarnation, groups.shard, self.timeout_s, max_bytes)
 
     # ------------------------------------------------------------------ layout
     def _learner_id(self) -> int:
@@ -76,7 +92,7 @@ class DecoupledLearner(LocalSGD):
             value = int(t.item())
         return value
 
-    # ------------------------------------------------------------------ the wire
+    # ------------------------------------------------------------------ helpers
     def _flat(self, tensors) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
 
@@ -87,133 +103,104 @@ class DecoupledLearner(LocalSGD):
             t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
             offset += n
 
-    def _send(self, msg: wire.Message) -> None:
-        self.bytes_sent += wire.send(self.sock, msg)
-
-    def _recv(self, kind: str, name: Optional[str] = None) -> wire.Message:
-        self.sock.settimeout(self.timeout_s)
-        try:
-            msg = wire.recv(self.sock, self.max_bytes)
-        except TimeoutError as err:
-            raise TimeoutError(f"acco decoupled: learner {self.learner} rank {self.groups.shard} waited "
-                               f"{self.timeout_s:g} s (local_sgd.syncer.timeout_s) for {kind} from syncer shard "
-                               f"{self.groups.shard} at {self.address[0]}:{self.address[1]}") from err
-        except wire.Closed as err:
-            raise ConnectionError(f"acco decoupled: syncer shard {self.groups.shard} at {self.address[0]}:"
-                                  f"{self.address[1]} closed the connection while learner {self.learner} waited for "
-                                  f"{kind}") from err
-        finally:
-            self.sock.settimeout(None)
-        return wire.expect(msg, kind, name, self.numel if name else None)
-
-    def _mine(self, kind: str, **fields) -> wire.Message:
-        return wire.Message(kind, learner=self.learner, incarnation=self.incarnation, **fields)
-
-    def _barrier(self) -> None:
-        if self.groups.k > 1:
-            self.groups.reduce(0.0, self.shards.device)
-
-    def _agree(self, version: int) -> bool:
-        """Do every rank of this learner hold ``version``?"""
-        if self.groups.k == 1:
-            return True
-        lo = self.groups.reduce(float(version), self.shards.device, op=tdist.ReduceOp.MIN)
-        hi = self.groups.reduce(float(version), self.shards.device, op=tdist.ReduceOp.MAX)
-        return lo == hi
-
-    @torch.no_grad()
-    def _take(self, msg: wire.Message) -> None:
-        """θ_g of ``msg.version``: masters, anchor and the replica's weights."""
-        theta = msg.tensor
-        self._unflat_into(theta, self.shards.masters)
-        self._unflat_into(theta, self.anchor)
-        self._install(self.shards.masters)
-        self.version = msg.version
-
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ join
     @torch.no_grad()
     def join(self) -> None:
         """Connect to shard j; an empty syncer takes this learner's weights; take the current θ_g."""
         t0 = time.perf_counter()
-        self.sock = wire.connect(self.address, self.timeout_s, f"syncer shard {self.groups.shard}")
-        self._send(self._mine("HELLO"))
-        state = self._recv("STATE")
-        if state.version == wire.NO_VERSION:
-            self._send(self._mine("INIT", name="theta", tensor=self._flat(self.shards.masters)))
-        while True:
-            self._send(self._mine("GET"))
-            msg = self._recv("PARAMS", "theta")
-            if self._agree(msg.version):
-                break
-        self._take(msg)
+        if self.link.open(self.timeout_s) == wire.NO_VERSION:
+            self.link.send(self.link.mine("INIT", name="theta", tensor=self._flat(self.shards.masters)))
+        self.link.send(self.link.mine("GET"))
+        msg = self._get_agreed(self.link.recv("PARAMS", "theta", self.numel), time.monotonic() + self.timeout_s)
+        self._unflat_into(msg.tensor, self.shards.masters)
+        self._unflat_into(msg.tensor, self.anchor)
+        self._install(self.shards.masters)
+        self.version = msg.version
+        self.adopted_after = self.steps_since_send = 0
         self.period_start = time.monotonic()
         self.wire_s += time.perf_counter() - t0
 
     def time_up(self) -> bool:
+        """Does the period end here? (The schedule asks when periods are timed, or with adopt "overlap".)"""
+        if self.overlap and self.inflight is not None:
+            return False  # never a wait: the period goes on until the previous merge is adopted
         if not self.timed:
-            return False
-        elapsed = self.groups.reduce(time.monotonic() - self.period_start, self.shards.device, op=tdist.ReduceOp.MAX)
+            return self.steps_since_send >= self.local.sync_every
+        elapsed = self.groups.reduce(time.monotonic() - self.period_start, self.shards.device,
+                                     op=tdist.ReduceOp.MAX)
         return elapsed >= self.local.sync_every_s
 
-    def _exchange(self, delta: torch.Tensor, base: int, steps: int) -> wire.Message:
-        """Δ to shard j, its ACK, the learner's barrier, READY (rank 0), then θ_g of the merge."""
-        self._send(self._mine("DELTA", base=base, tokens=steps, steps=steps, name="delta", tensor=delta))
-        self._recv("ACK")
-        self._barrier()  # every rank's slice is held by its shard
-        if self.groups.shard == 0:
-            self._send(self._mine("READY", base=base, tokens=steps, steps=steps))
-        return self._recv("PARAMS", "theta")
+    @torch.no_grad()
+    def _adopt(self, msg: wire.Message) -> None:
+        """θ_g of ``msg.version``: anchor ← θ_g; masters ← θ_g (overlap: θ_g + the progress since the send)."""
+        f, theta = self.inflight, msg.tensor
+        keep = self.overlap and self.steps_since_send
+        offset = 0
+        for master, anchor in zip(self.shards.masters, self.anchor):  # in place, tensor by tensor
+            n = master.numel()
+            piece = theta[offset:offset + n].view_as(master).to(master.device)
+            anchor.copy_(piece)
+            if keep:  # (θ − sent) + θ_g, elementwise as the simulator's θ_g + (θ − sent)
+                master.sub_(f["sent"][offset:offset + n].view_as(master).to(master.device)).add_(piece)
+            else:
+                master.copy_(piece)
+            offset += n
+        self._install(self.shards.masters)
+        self.staleness.append(max(0, msg.version - 1 - f["base"]))
+        self.version = msg.version
+        self.merges += 1
+        self.adopted_after = self.steps_since_send
+        self.inflight = None
 
-    def _reconnect(self, deadline: float, err: Exception) -> None:
-        """The syncer went away (a restart): connect again (same incarnation) until ``deadline``."""
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        left = deadline - time.monotonic()
-        if left <= 0 or self.groups.k > 1:
-            why = ("within local_sgd.syncer.timeout_s" if self.groups.k == 1 else
-                   "(a learner of several ranks does not re-send: relaunch it)")
-            raise ConnectionError(f"acco decoupled: learner {self.learner} lost syncer shard {self.groups.shard} at "
-                                  f"{self.address[0]}:{self.address[1]} and could not finish its merge {why}: "
-                                  f"{err}") from err
-        self.reconnects += 1
-        self.sock = wire.connect(self.address, left, f"syncer shard {self.groups.shard}")
-        self._send(self._mine("HELLO"))
-        if self._recv("STATE").version == wire.NO_VERSION:
-            raise ConnectionError(f"acco decoupled: syncer shard {self.groups.shard} at {self.address[0]}:"
-                                  f"{self.address[1]} came back without a model (no state_dir, or another one): "
-                                  f"restart it on the folder it checkpointed to")
+    def _install(self, shards) -> None:
+        """As ``LocalSGD``'s; a learner of one rank copies its masters into the bit16 flats without a
+        collective (a gloo call on a group of one still hands off to gloo's thread and back: on a busy CPU
+        that costs scheduler latency, inside the learner's pause)."""
+        if self.groups.k > 1 or self.shards.flats is None or self.shards.has_experts:
+            return super()._install(shards)
+        for master, shard, flat in zip(self.shards.masters, shards, self.shards.flats):
+            if master is not shard:
+                master.copy_(shard)
+            flat.narrow(0, 0, master.numel()).copy_(master)
+
+    # ------------------------------------------------------------------ hooks
+    def after_inner_step(self) -> None:
+        t0, c0, before = time.perf_counter(), time.process_time(), dict(self.phase_s)
+        self.steps_since_send += 1
+        if self.overlap and self.inflight is not None:
+            self._poll()
+        super().after_inner_step()
+        seconds = time.perf_counter() - t0
+        if seconds > self.max_wait_s:
+            self.max_wait_s = seconds
+            self.longest = {k: v - before[k] for k, v in self.phase_s.items()}
+            self.longest["cpu"] = time.process_time() - c0  # the rest of the pause: this process was not running
+        self.wire_s += seconds
+        self.outer_comm_s += seconds
+        self.outer_wait_s += seconds
 
     @torch.no_grad()
     def _sync(self, sync) -> None:
-        """Send this period's Δ, wait for the merge that holds it, take its θ_g. A learner of one rank whose
-        syncer restarts re-sends its Δ (the syncer recognises one it already merged) until
-        ``syncer.timeout_s``."""
-        t0 = time.perf_counter()
-        steps = sync.steps
-        delta = self._flat([x - m for x, m in zip(self.anchor, self.shards.masters)])
-        base = self.version
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                msg = self._exchange(delta, base, steps)
-                break
-            except (ConnectionError, OSError) as err:
-                self._reconnect(deadline, err)
-        while not self._agree(msg.version):  # a re-sent Δ is answered with the current θ_g: take one version
-            self._send(self._mine("GET"))
-            msg = self._recv("PARAMS", "theta")
-        self.staleness.append(max(0, msg.version - 1 - base))
-        self._take(msg)
-        self.merges += 1
+        """Send this period's Δ (after adopting the previous merge, if it is still in flight); adopt "wait":
+        wait for the merge that holds it and adopt it."""
+        if self.inflight is not None:
+            self._await()
+        delta = torch.cat([(a - m).reshape(-1).float() for a, m in zip(self.anchor, self.shards.masters)])
+        fields = dict(learner=self.learner, incarnation=self.incarnation, version=self.adopted_after,
+                      base=self.version, tokens=sync.steps, steps=sync.steps)
+        self.inflight = {"msg": self.uplink.message(delta, **fields), "base": self.version, "steps": sync.steps,
+                         "sent": self._flat(self.shards.masters) if self.overlap else None, "params": None}
+        self.steps_since_send = 0
         self.unsent_steps = 0
-        seconds = time.perf_counter() - t0
-        self.wire_s += seconds
-        self.max_wait_s = max(self.max_wait_s, seconds)
-        self.outer_comm_s += seconds
-        self.outer_wait_s += seconds
+        self._post()
+        if not self.overlap:
+            self._await()
         self.period_start = time.monotonic()
+
+    def settle(self) -> None:
+        """Adopt the merge in flight (before a save, a load or a restart)."""
+        if self.inflight is not None and self.link.sock is not None:
+            self._await()
 
     @property
     def syncs(self) -> int:
@@ -222,35 +209,48 @@ class DecoupledLearner(LocalSGD):
 
     def finalize(self) -> None:
         """Send the unfinished period (if any) and take its merge; the learner then stands on θ_g."""
+        if self.link.sock is None:
+            return
+        t0 = time.perf_counter()
         sync = self.schedule.final_sync()
-        if sync is not None and self.sock is not None:
+        if sync is not None:
             self._sync(sync)
+        self.settle()
+        self.wire_s += time.perf_counter() - t0
 
     def period_words(self):
         ls = self.local
+        more = " or more, once the last merge is adopted" if self.overlap else ""
         if self.timed:
-            return f"sync_every_s={ls.sync_every_s:g}", f"a merge request every {ls.sync_every_s:g} s"
+            return f"sync_every_s={ls.sync_every_s:g}", f"a merge request every {ls.sync_every_s:g} s{more}"
+        if self.overlap:
+            return f"sync_every={ls.sync_every}", f"a merge request every {ls.sync_every} inner steps{more}"
         return super().period_words()
 
     def banner(self) -> str:
         ls = self.local
         return (f"decoupled learner {self.learner} of {self.groups.k} rank(s), syncer shard "
                 f"{self.address[0]}:{self.address[1]} {self.period_words()[0]} min_quorum={ls.min_quorum} "
-                f"grace_s={ls.grace_s} merge={ls.merge} staleness={ls.staleness}")
+                f"grace_s={ls.grace_s} merge={ls.merge} staleness={ls.staleness} adopt={ls.adopt} "
+                f"up-link={self.uplink}")
 
     def stats(self) -> dict:
         s = super().stats()
-        s.update({"decoupled": True, "learner": self.learner, "version": self.version, "merges": self.merges,
+        s.update({"decoupled": True, "learner": self.learner,
+                  "sync_every": None if self.timed else self.local.sync_every, "version": self.version,
+                  "merges": self.merges,
                   "staleness": list(self.staleness), "wire_s": self.wire_s, "max_wait_s": self.max_wait_s,
-                  "reconnects": self.reconnects, "outer_bytes": self.bytes_sent,
+                  "phase_s": dict(self.phase_s), "longest_pause_phases_s": dict(self.longest),
+                  "reconnects": self.link.reconnects, "outer_bytes": self.link.bytes_sent,
+                  "delta_bytes": self.link.delta_bytes, "uplink": str(self.uplink), "adopt": self.local.adopt,
                   "syncer": f"{self.address[0]}:{self.address[1]}"})
         return s
 
     def report(self):
         s = self.stats()
         return [("decoupled", f"learner {s['learner']}: {s['merges']} merges, now on θ_g version {s['version']}, "
-                              f"{s['wire_s']:.2f} s sending and waiting for its merges, staleness "
-                              f"{max(s['staleness'], default=0)} at most")]
+                              f"{s['wire_s']:.2f} s sending and waiting for its merges (longest pause "
+                              f"{s['max_wait_s']:.3f} s), staleness {max(s['staleness'], default=0)} at most")]
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -263,16 +263,12 @@ class DecoupledLearner(LocalSGD):
             self.version = int(sd["decoupled"]["version"])
 
     def close(self) -> None:
-        if self.sock is not None:
+        if self.link.sock is not None:
             try:
-                self._send(self._mine("DONE"))
+                self.link.send(self.link.mine("DONE"))
             except OSError:
                 pass
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
+            self.link.close()
         super().close()
 
 

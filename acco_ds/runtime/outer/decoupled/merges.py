@@ -93,11 +93,14 @@ class MergeRule:
         for (l, s), e in zip(members, entries):
             self.merged[l] = (s, e["base"])
         self.state.step(self.state.mean([e["delta"] for e in entries], [e["tokens"] for e in entries]))
-        record = {"version": self.state.version, "time": time.time(), "learners": [l for l, _ in members],
+        now = time.monotonic()
+        record = {"version": self.state.version, "time": time.time(), "grace_s": self.grace_s(),
+                  "held_s": [None if e["ready"] is None else now - e["ready"] for e in entries],  # READY to merge
+                  "learners": [l for l, _ in members],
                   "tokens": [e["tokens"] for e in entries],
                   "staleness": [version - 1 - e["base"] for e in entries],
-                  "contributions": [{"learner": l, "base": e["base"], "steps": e["steps"], "tokens": e["tokens"]}
-                                    for (l, _), e in zip(members, entries)]}
+                  "contributions": [{"learner": l, "base": e["base"], "steps": e["steps"], "tokens": e["tokens"],
+                                     "adopted_after": e["adopted"]} for (l, _), e in zip(members, entries)]}
         self.log.append(record)
         self.checkpoint(record)
         for (l, s), e in zip(members, entries):

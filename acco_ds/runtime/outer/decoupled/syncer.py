@@ -222,6 +222,12 @@ class Shard(MergeRule):
         if kind == "GET":
             self._send(conn, wire.Message("PARAMS", version=self.state.version, name="theta", tensor=self.state.x))
         elif kind == "DELTA":
+            received = msg.tensor.numel() * msg.tensor.element_size() if msg.tensor is not None else 0
+            n = msg.extra.get("numel")
+            if n is not None and n != self.state.x.numel():  # before a byte of fp32 is allocated for it
+                raise wire.WireError("shape", f"a quantized delta of {n} values, this shard holds "
+                                              f"{self.state.x.numel()}")
+            msg = wire.dequantize(msg)  # a block-quantized Δ is merged as the fp32 values it stands for
             self._check_slice(msg, "delta")
             if msg.base > self.state.version:
                 raise wire.WireError("base", f"version {msg.base} is ahead of this shard's {self.state.version} (a "
@@ -235,9 +241,10 @@ class Shard(MergeRule):
                                               version=self.state.version, name="theta", tensor=self.state.x))
                 self.resent += 1
                 return
-            self.bytes_in += msg.tensor.numel() * 4
+            self.bytes_in += received
             self.pending[msg.learner] = {"incarnation": msg.incarnation, "base": msg.base, "tokens": msg.tokens,
-                                         "steps": msg.steps, "delta": msg.tensor, "ready": None, "conn": conn}
+                                         "steps": msg.steps, "adopted": msg.version, "delta": msg.tensor,
+                                         "ready": None, "conn": conn}
             self._send(conn, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
         elif kind == "READY":
             if self.index != 0:

@@ -16,6 +16,10 @@ Header (little-endian, ``HEADER.size`` = 76 bytes), then ``name_len`` bytes of n
     magic "ACDL" | protocol u16 | kind u16 | learner u32 | incarnation u64 | version u64 | base u64 |
     tokens u64 | steps u32 | dtype u8 | ndim u8 | name_len u16 | shape 2 x u64 | payload u64
 
+A block-quantized tensor (dtype ``int8`` or ``fp8``: a compressed pseudo-gradient) travels as shape ``[n, B]``:
+``n`` values in blocks of ``B`` elements, its payload the ``ceil(n / B)`` fp32 block scales and then the ``n``
+one-byte values (``ops.reference.quantize_pack``'s format), exactly ``4 ceil(n / B) + n`` bytes.
+
 A message that breaks a rule raises ``WireError`` naming the field and the rule; the receiver then drops the
 connection and changes nothing.
 """
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
+
+from ....ops.reference import dequantize_accumulate, num_blocks
 
 MAGIC = b"ACDL"
 PROTOCOL = 1
@@ -41,7 +47,8 @@ KINDS = {
     3: "INIT",  # learner -> shard: "theta", the starting weights of an empty syncer
     4: "GET",  # learner -> shard: send the current θ_g
     5: "PARAMS",  # shard -> learner: "theta" of ``version``
-    6: "DELTA",  # learner -> shard: "delta" from version ``base``, with tokens and steps; the shard answers ACK
+    6: "DELTA",  # learner -> shard: "delta" from version ``base``, with tokens and steps, and in ``version`` the
+    #              period's inner steps taken before the learner adopted ``base`` (adopt "overlap"); answered ACK
     7: "ACK",  # shard -> learner: the Δ is held
     8: "READY",  # learner rank 0 -> shard 0: every rank's Δ is held, the learner is pending
     9: "DONE",  # learner -> shard: finished for good
@@ -55,6 +62,10 @@ KIND = {name: code for code, name in KINDS.items()}
 DTYPES = {0: None, 1: torch.float32, 2: torch.float64, 3: torch.int64, 4: torch.uint8, 5: torch.bfloat16,
           6: torch.float16}
 DTYPE_CODE = {dt: code for code, dt in DTYPES.items() if dt is not None}
+QUANTIZED = {7: "int8", 8: "fp8"}  # block-quantized: shape [n, B], payload 4 ceil(n / B) scale bytes + n values
+QUANTIZED_CODE = {name: code for code, name in QUANTIZED.items()}
+QUANT_WIRE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+MIN_BLOCK, MAX_BLOCK = 8, 1 << 20  # compression.block_size's bounds
 
 
 class WireError(ValueError):
@@ -63,6 +74,10 @@ class WireError(ValueError):
     def __init__(self, field_name: str, why: str):
         super().__init__(f"refused message: {field_name}: {why}")
         self.field = field_name
+
+
+class Refused(ConnectionError):
+    """The peer answered ERROR: it refused what this side sent (``str()`` holds its reason)."""
 
 
 class Closed(ConnectionError):
@@ -91,6 +106,13 @@ def encode(msg: Message) -> Tuple[bytes, memoryview]:
     """The header (with the name) and the payload of ``msg``."""
     t = msg.tensor
     name = msg.name.encode("ascii")
+    quant = msg.extra.get("quantized")
+    if quant is not None:  # raw scales + values: the shape says how many values in blocks of how many
+        payload = memoryview(t.contiguous().numpy()).cast("B")
+        head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.incarnation, msg.version, msg.base,
+                           msg.tokens, msg.steps, QUANTIZED_CODE[quant], 2, len(name), msg.extra["numel"],
+                           msg.extra["block"], payload.nbytes)
+        return head + name, payload
     if t is None:
         dtype, shape, payload = 0, (), memoryview(b"")
     else:
@@ -135,6 +157,22 @@ def parse_header(raw: bytes, max_bytes: int) -> dict:
         raise WireError("protocol", f"version {protocol}, this side speaks {PROTOCOL}: run the same acco_ds on both")
     if kind not in KINDS:
         raise WireError("kind", f"{kind} is not a message kind")
+    if dtype in QUANTIZED:
+        if ndim != 2 or not MIN_BLOCK <= d1 <= MAX_BLOCK:
+            raise WireError("shape", f"a block-quantized tensor travels as [values, block size] with a block size "
+                                     f"of {MIN_BLOCK} to {MAX_BLOCK}, got ndim={ndim} shape {[d0, d1]}")
+        want = 4 * num_blocks(d0, d1) + d0
+        if payload != want:
+            raise WireError("payload", f"{payload} bytes announced, but {d0} {QUANTIZED[dtype]} values in blocks of "
+                                       f"{d1} are {want} bytes (fp32 scales, then one byte per value)")
+        if payload > max_bytes:
+            raise WireError("payload", f"{payload} bytes, above the limit of {max_bytes} bytes "
+                                       f"(syncer.max_message_mb)")
+        if name_len > MAX_NAME:
+            raise WireError("name", f"{name_len} bytes, at most {MAX_NAME}")
+        return dict(kind=KINDS[kind], learner=learner, incarnation=incarnation, version=version, base=base,
+                    tokens=tokens, steps=steps, dtype=torch.uint8, shape=(payload,), name_len=name_len,
+                    payload=payload, quantized=QUANTIZED[dtype], numel=d0, block=d1)
     if dtype not in DTYPES:
         raise WireError("dtype", f"code {dtype} is not a known dtype")
     if ndim > 2:
@@ -174,8 +212,28 @@ def recv(sock: socket.socket, max_bytes: int) -> Message:
         tensor = torch.empty(h["shape"], dtype=h["dtype"])
         if h["payload"]:
             _read_exact(sock, h["payload"], memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B"))
+    extra = {k: h[k] for k in ("quantized", "numel", "block") if k in h}
     return Message(h["kind"], h["learner"], h["incarnation"], h["version"], h["base"], h["tokens"], h["steps"],
-                   name_raw.decode("ascii"), tensor)
+                   name_raw.decode("ascii"), tensor, extra)
+
+
+def quantized(kind: str, raw: torch.Tensor, wire_dtype: str, numel: int, block: int, **fields) -> Message:
+    """A message carrying ``raw`` (uint8: fp32 block scales, then ``numel`` values of ``wire_dtype``)."""
+    return Message(kind, tensor=raw, extra={"quantized": wire_dtype, "numel": numel, "block": block}, **fields)
+
+
+def dequantize(msg: Message) -> Message:
+    """``msg`` with its block-quantized payload turned into the fp32 tensor it stands for (others unchanged)."""
+    if "quantized" not in msg.extra:
+        return msg
+    n, block = msg.extra["numel"], msg.extra["block"]
+    nb = num_blocks(n, block)
+    raw = msg.tensor
+    out = torch.zeros(n)
+    dequantize_accumulate(raw[4 * nb:].view(QUANT_WIRE[msg.extra["quantized"]]), raw[:4 * nb].view(torch.float32),
+                          out, block_size=block)
+    return Message(msg.kind, msg.learner, msg.incarnation, msg.version, msg.base, msg.tokens, msg.steps, msg.name,
+                   out)
 
 
 def expect(msg: Message, kind: str, name: Optional[str] = None, numel: Optional[int] = None,
@@ -183,7 +241,7 @@ def expect(msg: Message, kind: str, name: Optional[str] = None, numel: Optional[
     """Check that ``msg`` is the ``kind`` this side waits for, with tensor ``name`` of ``numel`` ``dtype``
     elements (an ERROR from the peer is raised with its text)."""
     if msg.kind == "ERROR":
-        raise ConnectionError(f"the peer refused: {msg.text}")
+        raise Refused(f"the peer refused: {msg.text}")
     if msg.kind != kind:
         raise WireError("kind", f"{msg.kind} where {kind} was expected")
     if name is not None:
@@ -231,5 +289,6 @@ def split_address(address: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-__all__ = ["Message", "WireError", "Closed", "send", "recv", "expect", "encode", "parse_header", "connect",
+__all__ = ["Message", "WireError", "Closed", "Refused", "send", "recv", "expect", "encode", "parse_header", "connect",
+           "quantized", "dequantize", "QUANTIZED",
            "split_address", "text", "int64s", "HEADER", "MAGIC", "PROTOCOL", "NO_VERSION", "KINDS"]
