@@ -184,8 +184,14 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
 print(type(engine).__name__)
 if os.environ.get("ACCO_DS_AUTOPATCH") == "0":
     # Stock leaves its groups to the interpreter's teardown, where gloo can abort the rank (torch's defect,
-    # benchmarks/exit_codes.py); the ACCO engine destroys them at exit itself.
+    # benchmarks/exit_codes.py); the ACCO engine destroys them at exit itself. Here the script does what ACCO's
+    # exit handler does: end the engine, destroy the groups, and collect them while gloo's threads can still take
+    # the GIL (with destroy_process_group() alone a rank still aborted at teardown now and then).
+    import gc
+    engine.destroy()
+    del engine, model
     torch.distributed.destroy_process_group()
+    gc.collect()
 '''
 
 
