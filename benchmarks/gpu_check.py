@@ -58,6 +58,7 @@ os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
 import torch  # noqa: E402
 
 import gpu_kernels  # noqa: E402
+import gpu_local_sgd  # noqa: E402
 import gpu_summary  # noqa: E402 - benchmarks/ is on sys.path: this script's folder
 import gpu_model  # noqa: E402
 import harness  # noqa: E402
@@ -431,47 +432,11 @@ section("training", training)
 # ----------------------------------------------------------------------------- f. local-SGD modes
 
 
-def local_sgd():
-    """diloco, streaming, sparseloco, co2, edit, decoupled, A-EDiT on 2 ranks, and A-EDiT's save (tag agreed by
-    all-reduce) and resume (``gpu_local_sgd.py``). NCCL needs a GPU per rank: with one GPU both ranks share it
-    over gloo with CUDA tensors."""
-    import gpu_local_sgd
-    gpus = torch.cuda.device_count() if CUDA else 0
-    out = gpu_local_sgd.launch(DEV, TINY, Path(args.out).with_suffix(".local_sgd"), timeout_s=180)
-    resume = out["a_edit_resume"]
-    for mode, r in out["runs"].items():
-        log(f"{mode:<10} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
-            f"| {r['syncs']} syncs | one model after finalize: {r['one_model_after_finalize']}")
-    log(f"A-EDiT save (tag {resume['tag']}) and resume: committed weights equal {resume['loaded_equals_saved']}")
-    why = None if gpus >= 2 or not CUDA else (f"{gpus} GPU: NCCL needs one per rank, so the 2 ranks shared it over "
-                                              f"gloo with CUDA tensors ({out['device']})")
-    learned = all(r["losses"][-1] < r["losses"][0] for r in out["runs"].values())  # 6 tiny steps may not
-    ok = resume["loaded_equals_saved"] and all(r["one_model_after_finalize"] for r in out["runs"].values()) and \
-        (learned or TINY)
-    return {"status": f"ran {', '.join(out['runs'])} and A-EDiT save/resume on {out['backend']} ({out['device']})",
-            "note": why, "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
-
-
-def moe():
-    """The MoE GPT (``deepspeed.moe.layer.MoE``, ep_size 2) under stock ZeRO-1, sync and acco on 2 ranks."""
-    import gpu_local_sgd
-    out = gpu_local_sgd.launch(DEV, TINY, Path(args.out).with_suffix(".moe"), timeout_s=120, moe=True)
-    for mode, r in out["runs"].items():
-        log(f"MoE {mode:<6} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> "
-            f"{r['losses'][-1]:.4f} | dense weights equal on both ranks: {r['dense_same_on_every_rank']}")
-    log(f"MoE sync vs stock max loss difference {out['sync_vs_stock_max_loss_diff']:.3g}")
-    ok = all(r["finite"] and r["dense_same_on_every_rank"] and (r["losses"][-1] < r["losses"][0] or TINY)
-             for r in out["runs"].values())
-    return {"status": f"stock, sync, acco with {out['moe']} on {out['backend']} ({out['device']})", **out,
-            "autoep": "not run here: AutoEP trains on CPU ranks (tests/test_autoep.py), it does not need CUDA",
-            "ok": ok}
-
-
 if args.skip_local_sgd:
     RESULT["sections"]["local_sgd"] = {"ok": True, "status": "skipped (--skip-local-sgd)", "a_edit_resume": {}}
 else:
-    section("local_sgd", local_sgd)
-    section("moe", moe)
+    section("local_sgd", lambda: gpu_local_sgd.local_sgd_section(DEV, TINY, Path(args.out), log))
+    section("moe", lambda: gpu_local_sgd.moe_section(DEV, TINY, Path(args.out), log))
 
 # ------------------------------------------------ c (end). the kernel tests (KERNEL_TESTS)
 

@@ -206,6 +206,44 @@ def moe_worker(args, rank, result, config, engine_for, train_step, committed, sa
         (Path(args.out) / "rank0.json").write_text(json.dumps(result, indent=1))
 
 
+# The sections of gpu_check.py (each returns the section's JSON; ``log`` prints a line)
+
+
+def local_sgd_section(device, tiny, out_path, log):
+    """diloco, streaming, sparseloco, co2, edit, decoupled, A-EDiT on 2 ranks, and A-EDiT's save (tag agreed by
+    all-reduce) and resume (``gpu_local_sgd.py``). NCCL needs a GPU per rank: with one GPU both ranks share it
+    over gloo with CUDA tensors."""
+    cuda = device == "cuda"
+    gpus = _cuda_devices() if cuda else 0
+    out = launch(device, tiny, Path(out_path).with_suffix(".local_sgd"), timeout_s=180)
+    resume = out["a_edit_resume"]
+    for mode, r in out["runs"].items():
+        log(f"{mode:<10} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
+            f"| {r['syncs']} syncs | one model after finalize: {r['one_model_after_finalize']}")
+    log(f"A-EDiT save (tag {resume['tag']}) and resume: committed weights equal {resume['loaded_equals_saved']}")
+    why = None if gpus >= 2 or not cuda else (f"{gpus} GPU: NCCL needs one per rank, so the 2 ranks shared it over "
+                                              f"gloo with CUDA tensors ({out['device']})")
+    learned = all(r["losses"][-1] < r["losses"][0] for r in out["runs"].values())  # 6 tiny steps may not
+    ok = resume["loaded_equals_saved"] and all(r["one_model_after_finalize"] for r in out["runs"].values()) and \
+        (learned or tiny)
+    return {"status": f"ran {', '.join(out['runs'])} and A-EDiT save/resume on {out['backend']} ({out['device']})",
+            "note": why, "runs": out["runs"], "a_edit_resume": resume, "command": out["command"], "ok": ok}
+
+
+def moe_section(device, tiny, out_path, log):
+    """The MoE GPT (``deepspeed.moe.layer.MoE``, ep_size 2) under stock ZeRO-1, sync and acco on 2 ranks."""
+    out = launch(device, tiny, Path(out_path).with_suffix(".moe"), timeout_s=120, moe=True)
+    for mode, r in out["runs"].items():
+        log(f"MoE {mode:<6} {r['tokens_per_s']:>10,.0f} tokens/s | loss {r['losses'][0]:.4f} -> "
+            f"{r['losses'][-1]:.4f} | dense weights equal on both ranks: {r['dense_same_on_every_rank']}")
+    log(f"MoE sync vs stock max loss difference {out['sync_vs_stock_max_loss_diff']:.3g}")
+    ok = all(r["finite"] and r["dense_same_on_every_rank"] and (r["losses"][-1] < r["losses"][0] or tiny)
+             for r in out["runs"].values())
+    return {"status": f"stock, sync, acco with {out['moe']} on {out['backend']} ({out['device']})", **out,
+            "autoep": "not run here: AutoEP trains on CPU ranks (tests/test_autoep.py), it does not need cuda",
+            "ok": ok}
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
