@@ -28,6 +28,13 @@ def ds_config(**kw):
     return DeepSpeedConfig(common.ds_config(**kw))
 
 
+def ds_config_and_layout(**kw):
+    """DeepSpeed's parsed config and the rulebook's layout of this 1-rank launch, as the engine passes them."""
+    from acco_ds.config import Layout
+    cfg = ds_config(**kw)
+    return cfg, Layout.launch(1, micro_batches=int(cfg.gradient_accumulation_steps))
+
+
 def test_defaults_and_documentation():
     cfg = parse_acco_config({})
     assert not cfg.enabled and cfg.mode == "acco" and cfg.accumulation == "fixed"
@@ -107,7 +114,7 @@ def test_malformed_acco_blocks(block, needle):
 def test_unsupported_deepspeed_settings(kw, needle):
     acco = parse_acco_config(common.ds_config(**kw))
     with pytest.raises(ValueError) as err:
-        check_deepspeed_config(acco, ds_config(**kw))
+        check_deepspeed_config(acco, *ds_config_and_layout(**kw))
     assert needle in str(err.value)
 
 
@@ -121,19 +128,19 @@ def test_unsupported_deepspeed_settings(kw, needle):
     ({"ranks_per_node": 2}, {"LOCAL_WORLD_SIZE": "4"}, 4, "hierarchical", 2),  # the config wins
 ])
 def test_collectives_layout_auto_follows_the_launcher(monkeypatch, block, env, world, layout, per_node):
-    from acco_ds.config import collectives_layout, ranks_per_node, replica_group_size
+    from acco_ds.config import Layout, collectives_layout, ranks_per_node, replica_group_size
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     acco = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "collectives": block}})
     assert collectives_layout(acco, world) == layout
-    assert ranks_per_node(acco, world) == per_node == replica_group_size(acco, world)
+    assert ranks_per_node(acco, world) == per_node == replica_group_size(acco, Layout.launch(world))
 
 
 def test_odd_accumulation_is_fine_outside_acco_mode():
     kw = dict(acco={"mode": "dpu"}, gas=3)
-    check_deepspeed_config(parse_acco_config(common.ds_config(**kw)), ds_config(**kw))
+    check_deepspeed_config(parse_acco_config(common.ds_config(**kw)), *ds_config_and_layout(**kw))
 
 
 def test_initialize_rejects_before_building_anything():
@@ -161,24 +168,29 @@ def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anythi
     pipe = PipelineModule.__new__(PipelineModule)
     torch.nn.Module.__init__(pipe)
     pipe.num_stages = 2
-    for mode in ("acco", "dpu", "sync", "diloco"):
-        check_before_initialize(pipe, None, {}, parse_acco_config({"acco": {"enabled": True, "mode": mode}}))
+    two = {"gradient_accumulation_steps": 2}
+    for mode in ("acco", "dpu", "sync"):
+        check_before_initialize(pipe, None, two, parse_acco_config({"acco": {"enabled": True, "mode": mode}}))
+    from acco_ds.config import Layout, check  # a local-SGD mode needs replicas: 2 nodes of 4 ranks, 2 stages
+    check(parse_acco_config({"acco": {"enabled": True, "mode": "diloco"}}),
+          Layout(world=8, ranks_per_node=4, pp=2, micro_batches=2))
     adaptive = parse_acco_config({"acco": {"enabled": True, "accumulation": "adaptive"}})
     with pytest.raises(ValueError, match='accumulation="adaptive" cannot run with 2 pipeline stages'):
-        check_before_initialize(pipe, None, {}, adaptive)
+        check_before_initialize(pipe, None, two, adaptive)
     pipe.num_stages = 1
-    check_before_initialize(pipe, None, {}, adaptive)
+    check_before_initialize(pipe, None, two, adaptive)
     acco = parse_acco_config({"acco": {"enabled": True}})
     with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 2\)"):
         check_before_initialize(common.make_model(), None, {"sequence_parallel_size": 2}, acco)
     mpu = types.SimpleNamespace(get_sequence_parallel_world_size=lambda: 4, get_model_parallel_world_size=lambda: 1)
     with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 4\)"):
         check_before_initialize(common.make_model(), mpu, {}, acco)
-    from acco_ds.config import check_model  # MoE (tests/test_moe.py trains it): these modes, the rest by name
+    # MoE (tests/test_moe.py trains it): these modes, the rest by name
     for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco"):
-        check_model(parse_acco_config({"acco": {"enabled": True, "mode": mode}}), {}, moe=True)
+        check(parse_acco_config({"acco": {"enabled": True, "mode": mode}}), Layout(world=4, moe=True, ep_sizes=(2,),
+                                                                                  ranks_per_node=2))
     with pytest.raises(ValueError, match='acco.mode="decoupled" does not support MoE layers'):
-        check_model(parse_acco_config({"acco": {"enabled": True, "mode": "decoupled"}}), {}, moe=True)
+        check(parse_acco_config({"acco": {"enabled": True, "mode": "decoupled"}}), Layout(world=4, moe=True))
 
 
 def test_config_from_args_deepspeed_config(tmp_path):

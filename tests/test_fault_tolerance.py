@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-from acco_ds.config import ACCOConfig, host_problems, parse_acco_config
+from acco_ds.config import ACCOConfig, Layout, parse_acco_config, refusals
 from acco_ds.config import FaultToleranceConfig
 from acco_ds.testing.simulator import simulate_local_sgd
 from dist import free_port
@@ -95,9 +95,10 @@ def test_sparseloco_without_failures_equals_the_simulator(tmp_path):
             assert s["participants_min"] == s["participants_max"] == 2 and s["syncs_discarded"] == 0
             want = float(ref["errors"][g][-1].norm())
             assert abs(s["sparse_residual_norm"] - want) <= 1e-4 * want, (s["sparse_residual_norm"], want)
-        # the join and the syncs: two slots of this replica's payload each
-        sent = sum(fleet.result(f"r{g}", rank)["stats"]["outer_bytes"] for rank in range(2))
-        assert sent == (1 + steps // H) * 2 * payload, (sent, payload)
+        # the join and the syncs: two slots of each rank's payload (a tag byte each) and of its length (8 bytes)
+        stats = [fleet.result(f"r{g}", rank)["stats"] for rank in range(2)]
+        assert sum(s["sparse_payload_bytes"] for s in stats) == payload + 1
+        assert sum(s["outer_bytes"] for s in stats) == (1 + steps // H) * 2 * (payload + 1 + 2 * 8), (stats, payload)
     for rank in range(2):  # the start-up quorum heals rank r of one replica
         assert sum(fleet.result(f"r{g}", rank)["stats"]["heals"] for g in range(2)) == 1
     assert fleet.result("r0")["acco_syncs"] == steps // H
@@ -271,10 +272,10 @@ def test_bad_settings_are_refused_by_name(monkeypatch):
         parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "local_sgd": streaming, "fault_tolerance": ft}})
     ok = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "fault_tolerance": {},
                                      "compression": {"dtype": "int8", "apply_to": ["rounds"]}}})
-    assert host_problems(ok, 2, 2, 2) == []  # one launch, one replica of all its ranks
+    assert refusals(ok, Layout(world=2, micro_batches=2)) == []  # one launch, one replica of all its ranks
     bad = parse_acco_config({"acco": {"enabled": True, "mode": "diloco", "local_sgd": {"replica_group_size": 1},
                                       "fault_tolerance": {}}})
-    assert "with acco.fault_tolerance one launch is one replica" in host_problems(bad, 2, 2, 2)[0]
+    assert "with acco.fault_tolerance one launch is one replica" in refusals(bad, Layout(world=2, micro_batches=2))[0]
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)

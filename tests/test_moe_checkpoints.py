@@ -195,10 +195,10 @@ def test_a_replica_of_another_ep_size_is_not_healed(monkeypatch):
     the same experts there): another ep_size is refused by name, as another replica size is."""
     from types import SimpleNamespace
     from acco_ds.config import parse_acco_config
-    from acco_ds.config.moe import moe_problems
+    from acco_ds.config import Layout, refusals
     from acco_ds.runtime.outer import fault_tolerance
     from acco_ds.runtime.outer.diloco import DiLoCo
-    assert moe_problems(parse_acco_config(ft_config())) == []
+    assert refusals(parse_acco_config(ft_config()), Layout(world=4, moe=True, ep_sizes=(2,))) == []
     sizes = {None: 4, "edp": 2}  # a replica of 4 ranks, its experts split over 2: ep_size 2
     monkeypatch.setattr(fault_tolerance.tdist, "get_world_size", lambda group=None: sizes[group])
     loop = object.__new__(DiLoCo)

@@ -14,10 +14,11 @@ from typing import Literal, Optional
 from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from .fault_tolerance import FaultToleranceConfig
-from .moe import MOE_MODES, moe_problems  # noqa: F401 - re-exported
-from .decoupled import check_decoupled, learner_launch_size
+from .moe import MOE_MODES  # noqa: F401 - re-exported
+from .rulebook import refusals
+from .decoupled import check_decoupled
 from .local_sgd import (EDIT_ONLY, LOCAL_SGD_MODES, ACCOEmulationConfig, CollectivesConfig, CompressionConfig,
-                        LocalSGDConfig, _Documented, collectives_problems, ranks_per_node, unknown_keys)
+                        LocalSGDConfig, _Documented, unknown_keys)
 
 ACCO_KEY = "acco"
 
@@ -199,45 +200,20 @@ def parse_acco_config(ds_config: dict) -> ACCOConfig:
         raise ValueError("Invalid \"acco\" block in the DeepSpeed config:\n  " + "\n  ".join(lines)) from None
 
 
-def check_model(acco: Optional[ACCOConfig] = None, ds_config: Optional[dict] = None, *, pipeline_stages: int = 1,
-                moe: bool = False, sequence_parallel: int = 1) -> None:
-    """Reject what ACCO cannot train before a host builds anything: the hybrid engine, MoE, sequence
-    parallelism, adaptive accumulation across pipeline stages. The host reads these facts from its model
-    (the DeepSpeed host: ``acco_ds.deepspeed.initialize.check_before_initialize``)."""
-    problems = []
-    ds_config = ds_config or {}
-    if (ds_config.get("hybrid_engine") or {}).get("enabled"):
-        problems.append('the hybrid engine is not supported by ACCO: set "hybrid_engine": {"enabled": false} or '
-                        '"acco": {"enabled": false}')
-    if pipeline_stages > 1 and acco is not None and acco.accumulation == "adaptive":
-        problems.append(f'acco.accumulation="adaptive" cannot run with {pipeline_stages} pipeline stages: a '
-                        f'pipeline schedule runs a fixed number of micro-batches per train_batch(). Use '
-                        f'accumulation "fixed"')
-    if moe:
-        problems += moe_problems(acco, pipeline_stages)
-    if sequence_parallel > 1:
-        problems.append(f"ACCO does not support sequence parallelism (size {sequence_parallel}): its data-parallel "
-                        f"rounds and outer groups would have to span the sequence-parallel ranks, which hold one "
-                        f"batch together. Train without it (sequence_parallel_size 1) or set "
-                        f'"acco": {{"enabled": false}}')
-    _raise(problems)
-
-
-def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: bool = False) -> None:
-    """Reject DeepSpeed settings that ACCO cannot run with, naming the fix.
+def check_deepspeed_config(acco: ACCOConfig, ds_config, layout, *, client_optimizer: bool = False) -> None:
+    """Reject DeepSpeed settings that ACCO cannot run with, and every refusal of the rulebook on ``layout``
+    (``acco_ds.config.rulebook.Layout``), naming the fix.
 
     ``ds_config`` is DeepSpeed's parsed ``DeepSpeedConfig``; called before the
     engine builds its optimizer (the host first checks that DeepSpeed set every attribute read here:
-    ``acco_ds.deepspeed.compat.check_instance``). Every rule of that kind lives here.
+    ``acco_ds.deepspeed.compat.check_instance``). The rules on DeepSpeed's own keys live here.
     """
     problems = []
     stage = int(ds_config.zero_optimization_stage)
     if stage != 1:
         problems.append(f'ACCO shards optimizer states like ZeRO stage 1, but zero_optimization.stage is {stage}: '
                         f'set "zero_optimization": {{"stage": 1}}')
-    import torch.distributed as tdist
-    world = tdist.get_world_size() if tdist.is_initialized() else int(ds_config.world_size)  # nodes count all ranks
-    problems += host_problems(acco, ds_config.gradient_accumulation_steps, int(ds_config.world_size), world)
+    problems += refusals(acco, layout)
     zc = ds_config.zero_config
     if zc.offload_optimizer is not None and getattr(zc.offload_optimizer.device, "value", zc.offload_optimizer.device) != "none":
         problems.append("zero_optimization.offload_optimizer is not supported by ACCO (the optimizer runs on the "
@@ -250,58 +226,6 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, *, client_optimizer: boo
     if not client_optimizer and ds_config.optimizer_name is None:
         problems.append('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to the '
                         'DeepSpeed config or pass optimizer= to initialize')
-    _raise(problems)
-
-
-def host_problems(acco: ACCOConfig, gas: int, dp_world_size: int, world_size: int) -> list:
-    """What is wrong with ``acco`` for ``gradient_accumulation_steps=gas`` on these world sizes, whatever
-    the host (DeepSpeed or the torch host): one message per problem, each naming the fix."""
-    problems = []
-    if acco.mode == "acco" and gas % 2 != 0:
-        problems.append(f'acco.mode="acco" splits every optimizer step into two rounds of '
-                        f'gradient_accumulation_steps/2 micro-batches, so gradient_accumulation_steps must be even '
-                        f'(got {gas}): set it to {gas + 1 if gas > 1 else 2} or use acco.mode="dpu"/"sync"')
-    if acco.accumulation == "adaptive":
-        low = acco.micro_batches_per_round(gas)
-        high = acco.max_micro_batches(gas)
-        if high < low:
-            problems.append(f"acco.max_micro_batches_per_round ({high}) is below the minimum of {low} micro-batches "
-                            f"per round implied by gradient_accumulation_steps={gas}: raise it to at least {low}")
-    if acco.local:
-        problems += _replica_problems(acco, dp_world_size)
-    return problems + collectives_problems(acco, world_size)
-
-
-def replica_group_size(acco: ACCOConfig, world_size: int) -> int:
-    """k: the configured ``replica_group_size``, or the ranks per node (``ranks_per_node``); with
-    ``fault_tolerance`` one launch is one replica: its whole data-parallel world."""
-    k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
-    if acco.fault_tolerance is not None:
-        return world_size
-    return int(k) if k is not None else learner_launch_size(acco, world_size) or ranks_per_node(acco, world_size)
-
-
-def _replica_problems(acco: ACCOConfig, world_size: int) -> list:
-    k = acco.local_sgd.replica_group_size if acco.local_sgd is not None else None
-    if acco.fault_tolerance is not None:  # one launch, one replica
-        return [] if k in (None, world_size) else [
-            f"acco.local_sgd.replica_group_size is {k} but with acco.fault_tolerance one launch is one replica, "
-            f"of all its {world_size} data-parallel rank(s): remove replica_group_size (or set it to {world_size}) "
-            f"and start one launch per replica"]
-    k = replica_group_size(acco, world_size)
-    how = "acco.local_sgd.replica_group_size" + ("" if acco.local_sgd and acco.local_sgd.replica_group_size else
-                                                 ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE, the ranks per node)')
-    if world_size % k:
-        return [f"{how} is {k}, which does not divide the data-parallel world size {world_size}: set "
-                f"acco.local_sgd.replica_group_size to a divisor of {world_size}"]
-    if k == world_size and acco.mode != "decoupled":  # a decoupled learner may be a launch of its own
-        return [f'{how} is {k}, the whole data-parallel world: one replica, nothing to average. Set '
-                f'acco.local_sgd.replica_group_size to a divisor of {world_size} below it (1 = DiLoCo as published), '
-                f'or use acco.mode="sync" for plain ZeRO-1']
-    return []
-
-
-def _raise(problems) -> None:
     if problems:
         raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
 
@@ -327,6 +251,4 @@ def checkpoint_mismatch(what: str, saved, now, replicas: bool = False) -> ValueE
                       f"the module weights ({weights_only})")
 
 
-__all__ = ["ACCO_KEY", "ACCOConfig", "parse_acco_config", "check_model", "check_deepspeed_config", "moe_problems",
-           "MOE_MODES",
-           "replica_group_size", "checkpoint_mismatch", "host_problems"]
+__all__ = ["ACCO_KEY", "ACCOConfig", "parse_acco_config", "check_deepspeed_config", "MOE_MODES", "checkpoint_mismatch"]

@@ -34,12 +34,13 @@ import contextlib
 
 import torch.distributed as tdist
 
-from ..config import check_deepspeed_config, parse_acco_config, replica_group_size
+from ..config import check, check_deepspeed_config, parse_acco_config, replica_group_size
 from ..runtime.rounds.job import CommResult
 from ..runtime.comm import lifetime
 from ..runtime.comm.groups import every_group
 from ..runtime.outer.interface import OuterLoopHost, make_groups, needs_replicas
 from . import checkpoint, moe, reshard
+from .layout import launch_layout
 from .compat import BFLOAT16, ZERO_OPTIMIZATION, DeepSpeedEngine, check_instance, ds_engine, log_dist, logger
 from .compat import comm as dist
 from ..runtime.rounds.stats import banner, report_lines, round_stats
@@ -57,7 +58,7 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         if not acco.enabled:
             raise ValueError('ACCOEngine needs "acco": {"enabled": true} in the DeepSpeed config')
         if config_class is not None:
-            _check_config(acco, config_class, client_optimizer=kwargs.get("optimizer") is not None)
+            _check_config(acco, config_class, kwargs, client_optimizer=kwargs.get("optimizer") is not None)
         # Set before Module.__init__ runs inside DeepSpeedEngine.__init__. _acco_groups: the process groups ACCO
         # creates for this engine, destroyed with it (or at interpreter exit).
         self.__dict__.update(acco_config=acco, _acco_lr_kwargs=None, _acco_applied=False, _acco_eval_view=False,
@@ -297,24 +298,26 @@ class ACCOEngine(OuterLoopHost, DeepSpeedEngine):
         lifetime.release(self, self._acco_groups)
 
 
-def _check_config(acco, config_class, client_optimizer: bool):
+def _check_config(acco, config_class, kwargs: dict, client_optimizer: bool):
     check_instance(config_class, "DeepSpeedConfig")
     check_instance(config_class.zero_config, "DeepSpeedZeroConfig")
-    check_deepspeed_config(acco, config_class, client_optimizer=client_optimizer)
+    layout = launch_layout(kwargs.get("model"), kwargs.get("mpu"), gas=int(config_class.gradient_accumulation_steps))
+    check_deepspeed_config(acco, config_class, layout, client_optimizer=client_optimizer)
 
 
 def _replica_layout(engine, acco):
     """The local-SGD modes' replica groups (None in the round modes) and, for a model with MoE layers, each
     expert group's expert-data-parallel group inside the replica (None: DeepSpeed's own groups)."""
-    moe.check_layout(engine)
+    layout = launch_layout(engine.module, engine.mpu, gas=engine.gradient_accumulation_steps(),
+                           ep_sizes=tuple(moe.ep_sizes(engine).values()))
+    check(acco, layout)  # experts as the engine made them (AutoEP swaps its layers in during initialize)
     if not needs_replicas(acco.mode):
         return None, None
     # ZeRO-1 runs inside one replica group; the outer loop syncs the replicas. Every data-parallel group (one per
     # tensor-parallel rank and pipeline stage) is cut into replicas alike, so a replica holds whole
     # model-parallel groups.
     dp_groups = every_group(engine.seq_data_parallel_group)
-    k = replica_group_size(acco, len(dp_groups[0]))
-    moe.check_replica(engine, k)  # before any group is made
+    k = replica_group_size(acco, layout)
     groups = make_groups(dp_groups, k, acco.timeout_s)
     experts = moe.replica_expert_groups(engine, dp_groups, k, acco.timeout_s) if moe.ep_sizes(engine) else None
     return groups, experts

@@ -49,22 +49,15 @@ def _acco_engine_class():
 
 
 def check_before_initialize(model, mpu=None, ds_config=None, acco=None) -> None:
-    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds anything: the facts DeepSpeed's
-    classes tell (pipeline stages, MoE layers, the sequence-parallel size of the config or the ``mpu``),
-    judged by ``acco_ds.config.check_model``."""
-    import torch
-
-    from ..config import check_model
-    from .compat import PipelineModule, check_instance, has_moe_layers
-    ds_config = ds_config or {}
-    stages = 1
+    """Reject what ACCO cannot train before ``deepspeed.initialize`` builds anything: the rulebook
+    (``acco_ds.config.rulebook``) judges the block on the layout DeepSpeed's classes tell (pipeline stages,
+    tensor-parallel size, MoE layers, the sequence-parallel size of the config or the ``mpu``)."""
+    from ..config.rulebook import check
+    from .compat import PipelineModule, check_instance
+    from .layout import launch_layout
     if isinstance(model, PipelineModule):
         check_instance(model, "PipelineModule")
-        stages = model.num_stages
-    sp = max(int(ds_config.get("sequence_parallel_size", 1) or 1),
-             int(getattr(mpu, "get_sequence_parallel_world_size", lambda: 1)() or 1) if mpu is not None else 1)
-    check_model(acco, ds_config, pipeline_stages=stages, moe=isinstance(model, torch.nn.Module) and
-                has_moe_layers(model)[0], sequence_parallel=sp)
+    check(acco, launch_layout(model, mpu, ds_config), ds_config)
 
 
 def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):

@@ -34,40 +34,13 @@ def ep_sizes(engine) -> Dict[str, int]:
     return {name: tdist.get_world_size(engine.expert_parallel_group[name]) for name in sorted(names)}
 
 
-def check_layout(engine) -> None:
-    """Refuse what the expert groups cannot run with, by name: model parallelism beside experts, and adaptive
-    accumulation with experts split across ranks."""
-    mp, sizes = getattr(engine, "mp_world_size", 1), ep_sizes(engine)
-    if max(sizes.values(), default=1) > 1 and engine.acco_config.accumulation == "adaptive":
-        raise ValueError(f'acco.accumulation="adaptive" cannot run with expert parallelism (ep_size '
-                         f'{max(sizes.values())}): every MoE layer\'s all-to-all pairs the micro-batches of the ranks '
-                         f'of an expert-parallel group, so they must end their rounds after the same micro-batches. '
-                         f'Use accumulation "fixed", or ep_size 1')
-    if sizes and mp > 1:
-        raise ValueError(f"ACCO with MoE layers does not support tensor or pipeline parallelism (model-parallel size "
-                         f"{mp}) yet: its expert groups and norms assume experts partitioned over data-parallel "
-                         f"ranks only (no expert tensor parallelism). Train the MoE model without model parallelism, "
-                         f'or set "acco": {{"enabled": false}}')
-
-
-def check_replica(engine, k: int) -> None:
-    """Refuse, before any group is made, an ``ep_size`` that does not divide the replica group size ``k``."""
-    for name, e in sorted(ep_sizes(engine).items()):
-        if k % e:
-            raise ValueError(f"ACCO local-SGD with MoE layers: ep_size {e} (expert group {name}) does not divide "
-                             f"acco.local_sgd.replica_group_size {k}. Expert parallelism must live inside a "
-                             f"replica (its all-to-all never crosses replicas): set replica_group_size to a multiple "
-                             f"of {e}, or ep_size to a divisor of {k}")
-
-
 def replica_expert_groups(engine, dp_groups: List[List[int]], k: int, timeout_s: float) -> Dict[str, object]:
     """Per expert group name, this rank's expert-data-parallel group inside its replica: the ranks of its
     replica (``k`` consecutive ranks of its data-parallel group) at its position in the expert-parallel run
-    (collective: every rank creates every group in the same order). Refuses an ``ep_size`` that does not
-    divide ``k`` by name."""
+    (collective: every rank creates every group in the same order). The rulebook has refused an ``ep_size``
+    that does not divide ``k`` already."""
     out = {}
     me = tdist.get_rank()
-    check_replica(engine, k)
     for name, e in sorted(ep_sizes(engine).items()):
         mine = tdist.get_process_group_ranks(engine.expert_parallel_group[name])
         lists = []
@@ -132,4 +105,4 @@ def check_ep_sizes(saved, now) -> None:
                      f"load_lr_scheduler_states=False))")
 
 
-__all__ = ["ep_sizes", "check_layout", "check_replica", "replica_expert_groups", "reshard_strides", "check_ep_sizes"]
+__all__ = ["ep_sizes", "replica_expert_groups", "reshard_strides", "check_ep_sizes"]

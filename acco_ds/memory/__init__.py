@@ -79,6 +79,9 @@ def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1
     return shards * 4 * numel // group_size + 4 * numel // group_size // fragments
 
 
+LOCAL = ("diloco", "co2", "edit", "sparseloco")  # modes that shard ZeRO-1 over a replica group
+
+
 def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
                     dtype="bf16", grad_accum_dtype=None, communication_data_type=None, mode: str = "acco",
                     replica_group_size: Optional[int] = None, fragments: int = 1, compression: Optional[dict] = None,
@@ -121,48 +124,55 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     if model is not None:
         local = sum(p.numel() for p in model.parameters() if p.requires_grad and getattr(p, "allreduce", True) is False)
         n, expert_params = n - local + local * ep_size, local * ep_size
+    settings = dict(dtype=dtype, grad_accum_dtype=grad_accum_dtype, communication_data_type=communication_data_type,
+                    mode=mode, replica_group_size=replica_group_size, fragments=fragments, compression=compression)
     n_e = int(expert_params)
     if n_e:
-        if ep_size < 1 or gpus % ep_size or n_e % ep_size or n_e >= n:
-            raise ValueError(f"expert parameters: ep_size {ep_size} must divide gpus={gpus} and expert_params="
-                             f"{n_e}, which must be below params={n}")
-        k_e = (replica_group_size or 1) if mode in ("diloco", "co2", "edit", "sparseloco") else gpus
-        if k_e % ep_size:
-            raise ValueError(f"ep_size {ep_size} must divide replica_group_size {k_e}: expert parallelism lives "
-                             f"inside a replica")
-        dense = estimate_memory(params=n - n_e, gpus=gpus, dtype=dtype, grad_accum_dtype=grad_accum_dtype,
-                                communication_data_type=communication_data_type, mode=mode,
-                                replica_group_size=replica_group_size, fragments=fragments, compression=compression,
-                                nodes=nodes, verbose=False)
-        # One rank's experts form a model of N_e / e parameters on W / e ranks (k / e per replica), flat.
-        experts = estimate_memory(params=n_e // ep_size, gpus=gpus // ep_size, dtype=dtype,
-                                  grad_accum_dtype=grad_accum_dtype, communication_data_type=communication_data_type,
-                                  mode=mode, replica_group_size=None if replica_group_size is None else
-                                  replica_group_size // ep_size, fragments=fragments, compression=compression,
-                                  verbose=False)
-        stock, acco = (dense[key] + experts[key] for key in ("stock_bytes", "acco_bytes"))
+        stock, acco = _with_experts(n, n_e, ep_size, gpus, nodes, settings)
         return _report(n, gpus, mode, dtype, grad_accum_dtype, communication_data_type, compression, stock, acco,
                        budget_gb, verbose, expert_params=n_e, ep_size=ep_size)
+    stock, acco = _dense(n, gpus, nodes, **settings)
+    return _report(n, gpus, mode, dtype, grad_accum_dtype, communication_data_type, compression, stock, acco,
+                   budget_gb, verbose)
+
+
+def _with_experts(n: int, n_e: int, ep_size: int, gpus: int, nodes, settings: dict) -> tuple:
+    """(stock, acco) bytes of a model of ``n`` parameters, ``n_e`` of them experts split ``ep_size`` ways: the
+    dense part on all ranks, and one rank's experts as a model of N_e / e parameters on W / e ranks (k / e per
+    replica), flat."""
+    k = settings["replica_group_size"]
+    if ep_size < 1 or gpus % ep_size or n_e % ep_size or n_e >= n:
+        raise ValueError(f"expert parameters: ep_size {ep_size} must divide gpus={gpus} and expert_params="
+                         f"{n_e}, which must be below params={n}")
+    k_e = (k or 1) if settings["mode"] in LOCAL else gpus
+    if k_e % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide replica_group_size {k_e}: expert parallelism lives "
+                         f"inside a replica")
+    dense = _dense(n - n_e, gpus, nodes, **settings)
+    experts = _dense(n_e // ep_size, gpus // ep_size, None, **dict(settings, replica_group_size=None if k is None
+                                                                   else k // ep_size))
+    return dense[0] + experts[0], dense[1] + experts[1]
+
+
+def _dense(n: int, gpus: int, nodes, *, dtype, grad_accum_dtype, communication_data_type, mode, replica_group_size,
+           fragments, compression) -> tuple:
+    """(stock ZeRO-1, acco_ds) model-state bytes per rank of ``n`` dense parameters on ``gpus`` ranks."""
     model_dt = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model_dt
     b, a = _size(model_dt), _size(accum)
     padded = padded_numel(n, gpus)
     stock = b * padded + a * padded + 16 * padded // gpus  # fp32 master, Adam m and v, fp32 gradient partition
-    if mode in ("diloco", "co2", "edit", "sparseloco"):
-        k = replica_group_size or 1
-        if gpus % k or k == gpus:
-            raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
-        local = padded_numel(n, k)
-        acco = (b * local + 12 * local // k + outer_state_bytes(local, k, mode, fragments)
-                + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync", compression,
-                                    nodes if nodes and nodes < gpus // k else None)
-                + outer_residual_bytes(local, k, gpus // k, compression))
-    else:
-        acco = b * padded + 12 * padded // gpus + acco_buffer_bytes(padded, gpus, model_dt, accum,
-                                                                    communication_data_type, mode, compression,
-                                                                    nodes)
-    return _report(n, gpus, mode, dtype, grad_accum_dtype, communication_data_type, compression, stock, acco,
-                   budget_gb, verbose)
+    if mode not in LOCAL:
+        return stock, b * padded + 12 * padded // gpus + acco_buffer_bytes(
+            padded, gpus, model_dt, accum, communication_data_type, mode, compression, nodes)
+    k = replica_group_size or 1
+    if gpus % k or k == gpus:
+        raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
+    local = padded_numel(n, k)
+    return stock, (b * local + 12 * local // k + outer_state_bytes(local, k, mode, fragments)
+                   + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync", compression,
+                                       nodes if nodes and nodes < gpus // k else None)
+                   + outer_residual_bytes(local, k, gpus // k, compression))
 
 
 def _report(n, gpus, mode, dtype, grad_accum_dtype, communication_data_type, compression, stock, acco, budget_gb,

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from ..config.rulebook import Layout
 from . import model as pm
 from .layouts import layouts
 from .memory import RECOMPUTE
@@ -100,7 +101,17 @@ def inputs_from(args) -> tuple:
         latency = -1.0
     if not latency >= 0 or latency == float("inf"):
         raise PlanError(f"--inter-latency-ms {args.inter_latency_ms!r} must be a number of milliseconds >= 0")
-    cfg = read_config(args.config, nodes * k // ((tp or 1) * (pp or 1))) if args.config else None
+    params = parse_count(args.params, "--params", integer=True)
+    active = _opt(args, "active_params", integer=True)
+    if active is not None and active > params:
+        raise PlanError(f"--active-params {args.active_params} is more than --params {args.params}: a mixture of "
+                        f"experts activates part of its parameters; give the total as --params and the active ones "
+                        f"as --active-params")
+    moe = active is not None and active < params
+    # the config is judged at the layout given (a searched one: at tp 1 x pp 1), experts over a node's ranks
+    cfg = read_config(args.config, Layout(world=nodes * k, ranks_per_node=k, tp=tp or 1, pp=pp or 1, moe=moe,
+                                          ep_sizes=(k,) if moe and (tp or 1) * (pp or 1) == 1 else ())) \
+        if args.config else None
     if args.compute_s is None and args.rank_flops is None:
         raise PlanError("give --rank-flops (peak FLOP/s of one rank, e.g. 989e12) or --compute-s (measured seconds "
                         "per step), or run with --measure inside a launch")
@@ -108,12 +119,6 @@ def inputs_from(args) -> tuple:
                                      at_least=1.0, why="a slowdown, 1.0 is none; --measure measures it")
                          if getattr(args, f"overlap_{x}_factor") is not None else None
                          for x in ("compute", "comm", "outer_compute"))
-    params = parse_count(args.params, "--params", integer=True)
-    active = _opt(args, "active_params", integer=True)
-    if active is not None and active > params:
-        raise PlanError(f"--active-params {args.active_params} is more than --params {args.params}: a mixture of "
-                        f"experts activates part of its parameters; give the total as --params and the active ones "
-                        f"as --active-params")
     inp = pm.Inputs(params=params, tokens_per_step=parse_count(args.tokens_per_step, "--tokens-per-step"), nodes=nodes,
                     ranks_per_node=k, mfu=mfu, inter_bps=parse_bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
                     inter_latency_s=latency / 1e3,

@@ -56,13 +56,14 @@ def layout_costs(inp: pm.Inputs, m: pm.Mode) -> dict:
     t, p, g = inp.tp, inp.pp, inp.ranks_per_node
     sh = shape(inp)
     mb = micro_batches(inp, sh)
+    mb += mb % 2 if m.mode == "acco" else 0  # acco: two rounds of half the micro-batches each
     b = pm.DTYPE_BYTES[inp.dtype]
     act = sh["micro_batch"] * sh["seq_len"] * sh["hidden"] * b  # one micro-batch's activations, bytes
     per_stage = sh["layers"] / p
     tp_s = mb * per_stage * 4 * _allreduce(inp, act, t) if t > 1 else 0.0
     a2a = 0.0
-    e = inp.dp_per_node  # expert parallelism: over the data-parallel ranks of a node, never across nodes
-    if inp.active_params and inp.active_params < inp.params and e > 1:
+    e = expert_parallel(inp)
+    if e > 1:
         one = (e - 1) / e * act * inp.moe_top_k / (inp.intra_bps / 8) + (e - 1) * inp.intra_latency_s
         a2a = mb * per_stage * 4 * one  # dispatch and combine, forward and backward, every layer (upper bound)
     busy = c0 + tp_s + a2a
@@ -103,18 +104,19 @@ def evaluate(inp: pm.Inputs, m: pm.Mode) -> dict:
         fig[key] *= groups
     c0 = costs["compute_s"]
     fig.update(compute_s=c0, compute_utilization=c0 / fig["step_s"], exposed_comm_s=max(0.0, fig["step_s"] - c0),
-               layout_s=costs["layout_s"] - c0, tp=inp.tp, pp=inp.pp)
+               layout_s=costs["layout_s"] - c0, tp=inp.tp, pp=inp.pp,
+               micro_batches=costs["micro_batches"] if inp.pp > 1 or (inp.seq_len and inp.micro_batch) else None)
     return fig
 
 
-def refusal(m: pm.Mode, tp: int, pp: int) -> Optional[str]:
-    """Why acco_ds refuses ``m`` on this layout (None: it runs)."""
-    if m.accumulation == "adaptive" and pp > 1:
-        return (f'acco.accumulation="adaptive" cannot run with {pp} pipeline stages (a pipeline schedule runs a '
-                f'fixed number of micro-batches): use "fixed" or --pp 1')
-    if m.mode == "sparseloco" and tp > 1 and pp > 1:
-        return "sparseloco runs tensor or pipeline parallelism, not both: use mode diloco or --tp 1 / --pp 1"
-    return None
+def is_moe(inp: pm.Inputs) -> bool:
+    return bool(inp.active_params and inp.active_params < inp.params)
+
+
+def expert_parallel(inp: pm.Inputs) -> int:
+    """ep_size of an MoE model as the engine runs it: experts over the data-parallel ranks of a node (never
+    across nodes, never beside tensor or pipeline parallelism, which the rulebook refuses); 1 when dense."""
+    return inp.dp_per_node if is_moe(inp) and inp.tp * inp.pp == 1 else 1
 
 
 def layouts(inp: pm.Inputs, tp: Optional[int] = None, pp: Optional[int] = None) -> List[tuple]:
@@ -132,34 +134,32 @@ def layouts(inp: pm.Inputs, tp: Optional[int] = None, pp: Optional[int] = None) 
     return out
 
 
-def search(inp: pm.Inputs, memory: Callable, sparse: bool = True, sync_every: Optional[int] = None,
+def search(inp: pm.Inputs, memory: Callable, judge: Callable, sparse: bool = True, sync_every: Optional[int] = None,
            tp: Optional[int] = None, pp: Optional[int] = None) -> List[dict]:
-    """One entry per row name: {"mode", "fig", "memory", "refused"} at its layout: of the layouts where it fits,
-    the fastest (ties within 5%: the smaller tp × pp); if it fits nowhere, the one needing the least memory.
-    ``memory(mode, inputs)`` gives {"total", "fits", ...}. A layout acco_ds refuses for a mode is left out
-    unless the user fixed it (then the row says why)."""
-    fixed = tp is not None and pp is not None
+    """One entry per row name: {"mode", "fig", "memory", "refused", "inputs"} at its layout: of the layouts where
+    acco_ds runs it and it fits, the fastest (ties within 5%: the smaller tp × pp); see ``choose``.
+    ``memory(mode, inputs)`` gives {"total", "fits", ...}; ``judge(mode, inputs, fig)`` the rulebook's refusal
+    of the row's block at that layout (None: it runs)."""
     per_name = {}
     for t, p in layouts(inp, tp, pp):
         li = replace(inp, tp=t, pp=p)
         best = {}
         for m in pm.candidates(li, sparse, sync_every):
-            why = refusal(m, t, p)
-            if why and not fixed:
-                continue
             fig = evaluate(li, m)
             old = best.get(m.name)  # the period (fragments, delay) with the least time; ties within 1%: shorter
             if old is None or fig["time_to_tokens_s"] < old[1]["time_to_tokens_s"] * 0.99:
-                best[m.name] = (m, fig, why)
-        for name, (m, fig, why) in best.items():
-            per_name.setdefault(name, []).append({"mode": m, "fig": fig, "memory": memory(m, li), "refused": why,
-                                                  "inputs": li})
+                best[m.name] = (m, fig)
+        for name, (m, fig) in best.items():
+            per_name.setdefault(name, []).append({"mode": m, "fig": fig, "memory": memory(m, li),
+                                                  "refused": judge(m, li, fig), "inputs": li})
     return sorted((choose(entries) for entries in per_name.values()), key=lambda e: e["fig"]["time_to_tokens_s"])
 
 
 def choose(entries: List[dict]) -> dict:
-    """Of one row's layouts ({"fig", "memory", ...}): the fastest that fits, ties within 5% to the smaller
-    tp × pp; if none fits, the one needing the least memory."""
+    """Of one row's layouts ({"fig", "memory", "refused" (None or absent: it runs), ...}): those acco_ds runs (if
+    none, all: the row then says why), of them the fastest that fits, ties within 5% to the smaller tp × pp; if none fits, the one
+    needing the least memory."""
+    entries = [e for e in entries if e.get("refused") is None] or entries
     fits = [e for e in entries if e["memory"]["fits"]]
     if not fits:
         return min(entries, key=lambda e: (e["memory"]["total"], e["fig"]["time_to_tokens_s"]))

@@ -84,10 +84,14 @@ def parse_factors(items) -> dict:
     return out
 
 
-def read_config(path: str, world: int) -> dict:
+def read_config(path: str, layout) -> dict:
     """Micro-batch, accumulation, ZeRO stage, dtypes and the ``"acco"`` block of a DeepSpeed config, checked
-    by DeepSpeed's own config model and acco_ds's validation (what ``initialize`` would refuse, refused)."""
-    from ..config import host_problems, parse_acco_config
+    by DeepSpeed's own config model and by the rulebook at ``layout`` (what ``initialize`` would refuse,
+    refused)."""
+    from dataclasses import replace
+
+    from ..config import parse_acco_config, refusals
+    world = layout.dp_world
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -112,7 +116,7 @@ def read_config(path: str, world: int) -> dict:
         acco = parse_acco_config(cfg)
     except Exception as err:  # noqa: BLE001 - DeepSpeed raises assorted types for a bad config
         raise PlanError(f"--config {path} is refused: {err}") from None
-    problems = host_problems(acco, int(ds.gradient_accumulation_steps), world, world) if acco.enabled else []
+    problems = refusals(acco, replace(layout, micro_batches=int(ds.gradient_accumulation_steps)), cfg)
     if problems:
         raise PlanError(f"--config {path} is refused:\n  - " + "\n  - ".join(problems))
     dt = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"

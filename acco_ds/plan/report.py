@@ -2,11 +2,12 @@
 ``"acco"`` block ready to paste, and the notes that say what the plan assumed."""
 
 import json
-from typing import Optional
+from typing import Callable, Optional
 
+from ..config.rulebook import Layout
 from . import model as pm
 from .factors import choice
-from .layouts import search, shape
+from .layouts import expert_parallel, is_moe, search, shape
 from .memory import memory
 
 
@@ -21,7 +22,7 @@ def acco_block(m: pm.Mode, inp: pm.Inputs, fig: dict) -> dict:
         ls = {"sync_every": m.sync_every, "replica_group_size": inp.dp_per_node}
         if m.timed:  # A-EDiT: the same period in seconds of wall time
             del ls["sync_every"]
-            ls["sync_time_s"] = round(m.sync_every * fig["step_s"], 3)
+            ls["sync_time_s"] = float(f"{m.sync_every * fig['step_s']:.4g}")  # never rounded to 0
         if m.fragments > 1 or m.delay:
             ls.update(fragments=m.fragments, fragment_sync_delay=m.delay, fragment_update_alpha=0.5)
         if m.mode == "sparseloco":
@@ -32,15 +33,28 @@ def acco_block(m: pm.Mode, inp: pm.Inputs, fig: dict) -> dict:
     return block
 
 
-def check_block(block: dict, gas: int, world: int) -> Optional[str]:
-    """Why acco_ds would refuse the block on ``world`` data-parallel ranks (None: it would run)."""
-    from ..config import host_problems, parse_acco_config
-    try:
-        acco = parse_acco_config({"acco": block})
-    except ValueError as err:
-        return str(err)
-    problems = host_problems(acco, gas, world, world) if acco.enabled else []
-    return "; ".join(problems) or None
+def row_layout(m: pm.Mode, inp: pm.Inputs, fig: dict, gas: int) -> Layout:
+    """The rulebook's layout of a row: the whole fleet, tp x pp, experts over a node's data-parallel ranks, the
+    micro-batches per step the time model gives the layout (else the config's)."""
+    moe = is_moe(inp)
+    return Layout(world=inp.world, ranks_per_node=inp.ranks_per_node, tp=inp.tp, pp=inp.pp, moe=moe,
+                  ep_sizes=(expert_parallel(inp),) if moe else (), micro_batches=fig.get("micro_batches") or gas)
+
+
+def judge(gas: int) -> Callable:
+    """``judge(mode, inputs, fig)``: why ``initialize`` would refuse the row's block at its layout (None: it
+    runs), in the rulebook's words."""
+    from ..config import parse_acco_config, refusals
+
+    def refused(m: pm.Mode, inp: pm.Inputs, fig: dict) -> Optional[str]:
+        if m.mode == "zero1":
+            return None
+        try:
+            acco = parse_acco_config({"acco": acco_block(m, inp, fig)})
+        except ValueError as err:
+            return str(err)
+        return "; ".join(refusals(acco, row_layout(m, inp, fig, gas))) or None
+    return refused
 
 
 KEYS = ("compute_s", "step_s", "exposed_comm_s", "layout_s", "compute_utilization", "inter_bytes_per_step",
@@ -50,18 +64,17 @@ KEYS = ("compute_s", "step_s", "exposed_comm_s", "layout_s", "compute_utilizatio
 def plan(inp: pm.Inputs, gas: int = 1, grad_accum_dtype=None, sparse: bool = True, sync_every=None,
          tp=None, pp=None) -> dict:
     """The plan as ``--json`` prints it: inputs, recommended row name (None: nothing fits or runs), rows."""
-    rows = search(inp, lambda m, li: memory(li, m, grad_accum_dtype), sparse, sync_every, tp, pp)
+    rows = search(inp, lambda m, li: memory(li, m, grad_accum_dtype), judge(gas), sparse, sync_every, tp, pp)
     out = []
     for e in rows:
         m, fig, li, mem = e["mode"], e["fig"], e["inputs"], e["memory"]
-        block = acco_block(m, li, fig)
-        refused = e["refused"] or check_block(block, gas, li.dp_world)
-        out.append({"name": m.name, "mode": m.mode, "acco": block, "sync_every": m.sync_every, "tp": li.tp,
-                    "pp": li.pp, "data_parallel": li.dp_world, **{k: fig[k] for k in KEYS},
+        out.append({"name": m.name, "mode": m.mode, "acco": acco_block(m, li, fig), "sync_every": m.sync_every,
+                    "tp": li.tp, "pp": li.pp, "data_parallel": li.dp_world,
+                    "gradient_accumulation_steps": row_layout(m, li, fig, gas).micro_batches, **{k: fig[k] for k in KEYS},
                     "memory_per_rank_bytes": mem["total"], "model_states_bytes": mem["states"],
                     "activation_bytes": mem["activations"], "fits": mem["fits"],
                     "token_factor": fig["token_factor"], "token_factor_source": fig["token_factor_source"],
-                    "time_to_tokens_s": fig["time_to_tokens_s"], "refused": refused})
+                    "time_to_tokens_s": fig["time_to_tokens_s"], "refused": e["refused"]})
     usable = [(e["mode"], e["fig"]) for e, row in zip(rows, out) if row["refused"] is None and row["fits"]]
     inputs = {k: v for k, v in vars(inp).items() if k != "tensor_sizes"}
     sh = shape(inp)
@@ -84,11 +97,7 @@ def notes(inp: pm.Inputs, rows: list, usable: list) -> list:
         out.append("activations not counted (give --seq-len, --hidden, --layers and --micro-batch, or "
                    "train_micro_batch_size_per_gpu in --config): a row fits when its model states fit")
     if not usable:
-        least = min(rows, key=lambda r: r["memory_per_rank_bytes"])
-        out.append(f"nothing fits in {inp.gpu_memory / 1e9:.4g} GB per rank (or acco_ds refuses every row that "
-                   f"does): the least memory is {least['memory_per_rank_bytes'] / 1e9:.4g} GB ({least['name']} at "
-                   f"tp {least['tp']} x pp {least['pp']}); add ranks, a larger --gpu-memory, or activation "
-                   f"recomputation; no row is recommended")
+        out.append(nothing_usable(inp, rows))
     assumed = shape(inp)["assumed"]
     if assumed and any(r["tp"] * r["pp"] > 1 for r in rows):
         out.append(f"tensor/pipeline traffic and the bubble use an assumed {', '.join(assumed)} (hidden/layers = "
@@ -97,6 +106,19 @@ def notes(inp: pm.Inputs, rows: list, usable: list) -> list:
         out.append("token factors: measured on a 0.84M model (--token-factors measured); the papers' are the "
                    "default from 100M parameters up")
     return out
+
+
+def nothing_usable(inp: pm.Inputs, rows: list) -> str:
+    """Why no row is recommended: every row that fits is refused (by which rule), or nothing fits."""
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        why = sorted({r["refused"] for r in fitting})
+        return (f"no row is recommended: acco_ds refuses every row that fits at its layout ({len(why)} reason(s): "
+                + " | ".join(why) + "); change --tp/--pp or the fleet")
+    least = min(rows, key=lambda r: r["memory_per_rank_bytes"])
+    return (f"nothing fits in {inp.gpu_memory / 1e9:.4g} GB per rank: the least memory is "
+            f"{least['memory_per_rank_bytes'] / 1e9:.4g} GB ({least['name']} at tp {least['tp']} x pp {least['pp']}); "
+            f"add ranks, a larger --gpu-memory, or activation recomputation; no row is recommended")
 
 
 def table(result: dict) -> str:
@@ -131,6 +153,10 @@ def table(result: dict) -> str:
               "stock's); '!': acco_ds refuses that block here; 'x': does not fit in memory.",
               "int8 rows: fp8 (\"dtype\": \"fp8\") sends the same bytes. Token factors:"]
     lines += [f"  {r['name']:<19} {r['token_factor']:.3g}: {r['token_factor_source']}" for r in result["modes"]]
+    refused = [r for r in result["modes"] if r["refused"]]
+    if refused:
+        lines += ["Refused by acco_ds at their layout ('!'), in initialize's words:"]
+        lines += [f"  {r['name']:<19} tp {r['tp']} x pp {r['pp']}: {r['refused']}" for r in refused]
     rec = next((r for r in result["modes"] if r["name"] == result["recommended"]), None)
     if rec is None:
         lines += ["", "recommended: none (nothing fits, see the notes)"]

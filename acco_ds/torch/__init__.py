@@ -43,7 +43,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as tdist
 
-from ..config import replica_group_size
+from ..config import Layout, replica_group_size
 from ..runtime.comm import lifetime
 from ..runtime.outer.interface import make_groups
 from .fsdp import FSDPLocalSGD
@@ -52,13 +52,6 @@ from .settings import HostSettings, read_config
 from .._lazy_dynamo import defer_optimizer
 
 defer_optimizer()  # a script imports this before it builds its optimizer: no torch._dynamo import (~2.4 s CPU)
-
-ROUND_MODES_ON_FSDP2 = ("acco: FSDP2 reduce-scatters the gradients inside every backward and keeps no unsharded "
-                        "gradient between micro-batches, while an ACCO round accumulates the next half-batch at full "
-                        "size while the previous one is reduce-scattered: that needs a second full-size gradient "
-                        "buffer beyond FSDP2 (docs/design/hosts.md). Pass the plain module instead (ACCO shards "
-                        "the optimizer state like ZeRO-1), or use a local-SGD mode (diloco, co2, edit) on FSDP2")
-
 
 def replica_mesh(k: Optional[int] = None):
     """This rank's 1D ``DeviceMesh`` over its replica's ``k`` consecutive ranks (default: the ranks per
@@ -95,16 +88,13 @@ def _initialize(model, optimizer, config):
         raise RuntimeError("acco_ds.torch.initialize: call torch.distributed.init_process_group() first "
                            "(torchrun sets the environment it reads)")
     world = tdist.get_world_size()
-    settings: HostSettings = read_config(config, world, world)
-    acco = settings.acco
     params = _check(model, optimizer)
     fsdp2 = any(_is_dtensor(p) for group in params for p in group)
-    groups = make_groups([list(range(world))], replica_group_size(acco, world), acco.timeout_s) if acco.local else None
+    layout = Layout.launch(world, host="fsdp2" if fsdp2 else "torch")
+    settings: HostSettings = read_config(config, layout)
+    acco = settings.acco
+    groups = make_groups([list(range(world))], replica_group_size(acco, layout), acco.timeout_s) if acco.local else None
     if fsdp2:
-        if not acco.local:
-            raise ValueError(f'acco_ds.torch: mode "{acco.mode}" does not run on an FSDP2 model. '
-                             + (ROUND_MODES_ON_FSDP2 if acco.mode != "sync" else
-                                "sync is what FSDP2 already does: train without ACCO, or pass the plain module"))
         inner = _fsdp2_inner_settings(settings)
         if inner:
             raise ValueError("acco_ds.torch: on an FSDP2 model FSDP2 runs each replica's gradient reduction itself, so "

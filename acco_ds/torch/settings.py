@@ -14,12 +14,12 @@ key is refused by name (this host does not run it), so nothing is ignored.
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 
-from ..config import ACCOConfig, host_problems, parse_acco_config
+from ..config import ACCOConfig, Layout, parse_acco_config, refusals
 from ..runtime.dtypes import as_dtype
 
 KEYS = ("acco", "gradient_accumulation_steps", "gradient_clipping", "communication_data_type", "data_types")
@@ -35,9 +35,9 @@ class HostSettings:
     accum_dtype: Optional[torch.dtype]
 
 
-def read_config(config: Union[dict, str, os.PathLike], dp_world_size: int, world_size: int) -> HostSettings:
-    """Parse and check ``config`` (a dict, or the path of a JSON file) for ``dp_world_size`` data-parallel
-    ranks of ``world_size``; raises ``ValueError`` naming every problem and its fix."""
+def read_config(config: Union[dict, str, os.PathLike], layout: Layout) -> HostSettings:
+    """Parse and check ``config`` (a dict, or the path of a JSON file) for ``layout`` (the rulebook's:
+    ``acco_ds.config.rulebook``); raises ``ValueError`` naming every problem and its fix."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
@@ -72,7 +72,7 @@ def read_config(config: Union[dict, str, os.PathLike], dp_world_size: int, world
     except (KeyError, ValueError) as err:
         problems.append(f"{err} (write fp32, bf16 or fp16)")
         comm = accum = None
-    problems += host_problems(acco, gas, dp_world_size, world_size)
+    problems += refusals(acco, replace(layout, micro_batches=gas))
     if problems:
         raise ValueError("acco_ds.torch cannot run with this config:\n  - " + "\n  - ".join(problems))
     return HostSettings(acco, gas, float(clip), comm, accum)
