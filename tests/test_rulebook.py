@@ -126,17 +126,18 @@ def four_rank_plan(*flags) -> dict:
     return json.loads(json.dumps(plan(inp, gas, accum, **search)))
 
 
-def row(result: dict, name=None, mode=None) -> dict:
-    name = name or result["recommended"]
-    return next(r for r in result["modes"] if r["name"] == name or (mode and r["acco"].get("mode") == mode))
+def row(result: dict, mode=None) -> dict:
+    """The recommended row, or the first row of ``mode``."""
+    return next(r for r in result["modes"] if (r["acco"].get("mode") == mode if mode else
+                                                r["name"] == result["recommended"]))
 
 
 @pytest.mark.slow
 def test_recommended_blocks_initialize_and_refused_ones_are_refused_in_the_plans_words(monkeypatch):
-    dense, moe = four_rank_plan(), four_rank_plan("--active-params", "1m")
+    dense, moe = four_rank_plan(), four_rank_plan("--inter-bandwidth", "100mbit", "--active-params", "1m")
     picked = {"dense": row(dense), "moe": row(moe), "decoupled": row(dense, mode="decoupled")}
     refused = [r for r in moe["modes"] if r["refused"] and r["tp"] * r["pp"] == 1]  # the launch runs tp 1 x pp 1
-    assert picked["dense"]["refused"] is None and picked["moe"]["refused"] is None and refused
+    assert (picked["dense"]["name"], picked["moe"]["name"]) == ("sparseloco", "dpu int8") and refused
     assert all(r["refused"] is None for r in picked.values()), picked
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the launch's 4 ranks as the plan's 2 nodes of 2
 
