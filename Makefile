@@ -34,12 +34,13 @@ demo: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config configs/acco_cpu.json --steps $(STEPS)
 
+# Two pytest-xdist workers, one per core; tests marked `alone` hold the machine to themselves (tests/conftest.py).
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n 2 --dist loadgroup tests
 
 # The fast subset (no multi-process training): under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -m "not slow" tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -n 2 --dist loadgroup -m "not slow" tests
 
 # The documentation site into site/: the config reference regenerated from the pydantic models first.
 docs: $(STAMP)

@@ -6,7 +6,6 @@ import os
 import runpy
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import free_port  # noqa: E402 - one port picker for tests and the benchmarks they start
 WORKER = HERE / "workers.py"
 # Ranks are forked from a server that has imported torch, DeepSpeed and acco_ds once (multiprocessing's
 # forkserver, as DeepSpeed's own unit tests reuse a process pool): a rank then starts in milliseconds instead of
@@ -72,11 +73,6 @@ class _ForkedRank:
 
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None,
