@@ -150,3 +150,32 @@ def test_every_deepspeed_attribute_the_glue_touches_is_listed():
     unlisted = sorted(name for name in used & members
                       if not name.startswith("__") and name not in listed | NOT_DEEPSPEED | defined_by_acco)
     assert unlisted == [], ", ".join(unlisted)
+
+
+def test_the_autoep_registry_mend_is_limited_to_the_call_that_fails(monkeypatch):
+    """DeepSpeed 0.19's AutoEP calls ``registry.get(key, default)``; transformers 5.24's registry takes no
+    default. The mend gives it one for string keys, leaves other keys to the original, does nothing where the
+    call works or on another DeepSpeed, and wraps once."""
+    import types
+
+    from acco_ds.deepspeed import compat
+
+    class Registry(dict):
+        def get(self, model):  # transformers >= 5.24: no default
+            return {"model": model}
+
+    module = types.SimpleNamespace(_CanRecordRegistry=Registry)
+    utils = types.SimpleNamespace(output_capturing=module)
+    for name, fake in (("transformers", types.SimpleNamespace(utils=utils)), ("transformers.utils", utils),
+                       ("transformers.utils.output_capturing", module)):
+        monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.setattr(compat.package(), "__version__", "0.20.0")
+    compat.mend_autoep_recorder_registry()
+    with pytest.raises(TypeError):
+        Registry().get("key", None)  # another DeepSpeed: left alone
+    monkeypatch.setattr(compat.package(), "__version__", "0.19.8")
+    compat.mend_autoep_recorder_registry()
+    compat.mend_autoep_recorder_registry()
+    r = Registry(a=1)
+    assert r.get("a", 0) == 1 and r.get("b", 7) == 7 and r.get("b") is None and r.get(5) == {"model": 5}
+    assert getattr(Registry.get, "_acco_mend", False)

@@ -230,6 +230,34 @@ def defer_muon_compile() -> None:
         compiler.compile = lambda: compile_on_first_call
 
 
+def mend_autoep_recorder_registry() -> None:
+    """DeepSpeed 0.19's AutoEP presets (``module_inject/auto_ep_presets/base.py``) call ``registry.get(key,
+    default)`` on transformers' output-recorder registry (``transformers.utils.output_capturing``), whose
+    ``get`` takes no default from transformers 5.24 on: every AutoEP ``initialize`` raises ``TypeError``. Give
+    that ``get`` an optional default for string keys, only on DeepSpeed 0.19 and only where the call fails;
+    idempotent. Called by ``initialize`` for a config whose ``expert_parallel`` block is enabled."""
+    if not getattr(package(), "__version__", "").startswith("0.19."):
+        return
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    registry = getattr(output_capturing, "_CanRecordRegistry", None)
+    if registry is None or getattr(registry.get, "_acco_mend", False):
+        return
+    original = registry.get
+    try:
+        original(registry(), "key", None)
+        return  # this transformers takes the default: nothing to mend
+    except TypeError:
+        pass
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else original(self, key)
+    get._acco_mend = True
+    registry.get = get
+
+
 def check_deepspeed() -> Dict[str, object]:
     """Resolve every listed module-level name and method; returns the names.
     Raises ``DeepSpeedIncompatible`` naming the first one missing or changed."""

@@ -65,6 +65,9 @@ def initialize_with(ds_initialize, args=None, model=None, *rest, **kwargs):
     ACCO engine when the config enables it."""
     from ..config import parse_acco_config  # lazy: the autopatch runs inside `import deepspeed`
     config = resolve_config(args, kwargs.get("config"), kwargs.get("config_params"))
+    if (config.get("expert_parallel") or {}).get("enabled"):
+        from .compat import mend_autoep_recorder_registry
+        mend_autoep_recorder_registry()  # stock DeepSpeed's AutoEP with transformers >= 5.24
     acco = parse_acco_config(config)
     if not acco.enabled:
         return ds_initialize(args, model, *rest, **kwargs)

@@ -21,25 +21,6 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--modes", default="sync,acco")
 parser.add_argument("--steps", type=int, default=8)
 args = parser.parse_args()
-
-
-def registry_default_shim():
-    """DeepSpeed 0.19.8's AutoEP presets call ``registry.get(key, default)`` on transformers' output-recorder
-    registry; from transformers 5.24 that ``get`` takes no default (TypeError in
-    ``auto_ep_presets/base.py::_install_instance_transformers_output_recorders``). Accept both."""
-    from transformers.utils import output_capturing
-    registry = getattr(output_capturing, "_CanRecordRegistry", None)
-    if registry is None:
-        return
-    original = registry.get
-    try:
-        original(registry(), "key", None)
-    except TypeError:
-        registry.get = lambda self, key, default=None: (dict.get(self, key, default) if isinstance(key, str)
-                                                       else original(self, key))
-
-
-registry_default_shim()
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
 SHAPE = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
