@@ -1,7 +1,7 @@
 """What every benchmark driver here shares: free ports, a slow link between two network namespaces, a
 set of rank processes with logs and deadlines, and the cleanup of all of it.
 
-* ``free_port()``: a TCP port that is free now (MASTER_PORT).
+* ``free_port()``: a TCP port that is free now (MASTER_PORT), per test worker (``acco_ds.testing.ports``).
 * ``Network``: two network namespaces joined by a veth pair, optionally limited with the ``tbf`` qdisc
   (``limit("200mbit")``, ``unlimit()``), with each end's tx counter (``tx_bytes()``, and the loopback's:
   ``lo_tx_bytes()``), a link cut (``set_link``) and a
@@ -17,7 +17,7 @@ set of rank processes with logs and deadlines, and the cleanup of all of it.
   own log file; wait with a deadline, wait for a line in a log, signal one rank, kill them all.
   ``kill_everything()`` reaps every RankSet still alive (errors, Ctrl-C, SIGTERM).
 
-Used by cluster.py, faults.py, collectives_bytes.py and train_worker.py (and tests/dist.py for
+Used by cluster.py, faults.py, collectives_bytes.py and train_worker.py (tests/dist.py shares its
 ``free_port``). Run as root for the namespaces (``ip``, ``tc``); everything else works unprivileged.
 """
 
@@ -35,37 +35,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from acco_ds.testing.ports import free_port  # noqa: E402,F401 - one port picker for benchmarks and tests
 
 
-# Ports for parallel test runs (pytest-xdist): worker gwN takes ports from its own block below the kernel's
-# ephemeral range (32768-60999 here, which gloo's own connections use), the pytest process the first half of
-# the block and the benchmark processes a test starts the second, so that no two processes that run at once
-# can be handed the same port. Outside xdist the kernel picks a free ephemeral port.
-PORT_BASE, PORT_BLOCK = 20000, 3000
-_next_port = None
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now, and handed to no other test process of this run."""
-    global _next_port
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.startswith("gw"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    half = PORT_BLOCK // 2
-    low = PORT_BASE + int(worker[2:]) * PORT_BLOCK + (0 if "_pytest" in sys.modules else half)
-    if _next_port is None:
-        _next_port = int.from_bytes(os.urandom(2), "little") % half  # two runs on one machine rarely meet
-    for _ in range(half):
-        port, _next_port = low + _next_port, (_next_port + 1) % half
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use, or in TIME_WAIT
-            return port
-    raise RuntimeError(f"no free port in {low}-{low + half - 1} for test worker {worker}")
 
 
 def cpu_name() -> str:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from acco_ds.testing.ports import free_port  # noqa: F401 - one picker for tests and the benchmarks they start
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import free_port  # noqa: E402 - one port picker for tests and the benchmarks they start
 WORKER = HERE / "workers.py"
 # Ranks are forked from a server that has imported torch, DeepSpeed and acco_ds once (multiprocessing's
 # forkserver, as DeepSpeed's own unit tests reuse a process pool): a rank then starts in milliseconds instead of
