@@ -224,7 +224,7 @@ def _block_with(path: str, value) -> dict:
     """An "acco" block whose key ``path`` is ``value``, in a mode where that key applies."""
     parts = path.split(".")[1:]
     streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
-    sparse = parts[-1] in ("chunk", "topk", "error_decay", "value_bits")
+    sparse = parts[-1] in ("chunk", "topk", "error_decay", "value_bits", "overlap")
     decoupled = parts[-1] in ("min_quorum", "nesterov_delay")
     mode = ("diloco" if streaming else "sparseloco" if sparse else "decoupled" if decoupled else "edit") \
         if parts[0] == "local_sgd" else "diloco" if parts[0] == "fault_tolerance" else "acco"

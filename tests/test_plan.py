@@ -101,14 +101,18 @@ def test_byte_formulas_against_the_testbed():
 
 
 def test_sparseloco_payload():
-    """Per chunk: a 4-byte scale + min(topk, len) x (2 + 16) bits, byte-aligned per chunk; (R-1) payloads."""
+    """A tag byte, then per chunk a 4-byte scale, min(topk, len) 2-bit codes and the indices: packed at
+    ceil(log2 len) bits (none when every entry is kept), or zlib-coded at log2 C(len, k) bits; (R-1) payloads."""
+    import math
     inp = pm.Inputs(params=4096 * 10 + 100 + 10, tokens_per_step=1, nodes=4, ranks_per_node=1,
                     tensor_sizes=[4096 * 10 + 100, 10])
-    sparse = dict(pm.SPARSE_DEFAULTS)
-    assert pm.sparse_payload(inp, sparse) == 10 * (4 + 144) + (4 + 144) + (4 + 23)
+    sparse = dict(pm.SPARSE_DEFAULTS, entropy_coding=None)
+    assert pm.sparse_payload(inp, sparse) == 1 + 10 * (96 + 16 + 4) + (56 + 16 + 4) + (0 + 3 + 4)
     assert pm.sparse_allgather(inp, sparse)[1] == 3 * pm.sparse_payload(inp, sparse)
+    bound = [math.log2(math.comb(n, 64)) / 8 for n in (4096, 100)]
+    assert pm.sparse_payload(inp, dict(pm.SPARSE_DEFAULTS)) == math.ceil(1 + 10 * (bound[0] + 20) + bound[1] + 20 + 7)
     sparse.update(topk=32, value_bits=4)
-    assert pm.sparse_payload(inp, sparse) == 11 * (4 + 80) + (4 + 25)
+    assert pm.sparse_payload(inp, sparse) == 1 + 10 * (48 + 16 + 4) + (28 + 16 + 4) + (0 + 5 + 4)
 
 
 def test_token_factor_override_and_period_law(capsys):
@@ -285,8 +289,11 @@ def test_plan_measured_api():
     assert (inp["compute_s"], inp["inter_bps"], inp["world"], inp["dtype"], inp["micro_batches"]) == \
         (0.5, 1e9, 8, "fp32", 2)
     sparse = next(m for m in plan["modes"] if m["name"] == "sparseloco")
-    per_sync = (1464 + 1 + 976 + 1) * (4 + 144)  # 6M = 1464 x 4096 + 3456, 4M = 976 x 4096 + 2304; R-1 = 1
-    assert sparse["inter_bytes_per_sync"] == per_sync
+    # 6M = 1464 x 4096 + 3456, 4M = 976 x 4096 + 2304; R-1 = 1 payload: a tag byte, per chunk 64 indices at
+    # log2 C(L, 64) bits (zlib-coded), 16 bytes of 2-bit codes and a scale
+    import math
+    chunk = [math.log2(math.comb(n, 64)) / 8 + 20 for n in (4096, 3456, 2304)]
+    assert sparse["inter_bytes_per_sync"] == math.ceil(1 + (1464 + 976) * chunk[0] + chunk[1] + chunk[2])
 
 
 @pytest.mark.parametrize("c, r", [(1.0, 0.4), (1.0, 3.0), (0.3, 0.3)])

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from acco_ds import ops
 from acco_ds.ops import reference as R
+from acco_ds.ops.sparse_codec import pack_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 BITS = [0, 2, 4, 8]
@@ -77,8 +78,9 @@ def test_pack_and_unpack_match_the_reference_bit_for_bit(native, numels, chunk, 
         e[:chunk] = 0.0  # an all-zero chunk: m = 0
     offsets = R.chunk_offsets(numels, chunk)
     indices, values, scales = check(native, e, offsets, topk, bits, weight=1 / 3)
-    assert indices.numel() * 2 + values.numel() * values.element_size() + scales.numel() * 4 == \
-        R.sparse_payload_bytes(offsets, topk, bits)
+    # on the wire (``sparse_codec``, packed): a tag byte, the indices at their chunk's bits, the codes, the scales
+    assert 1 + pack_indices(indices, offsets, topk).numel() + values.numel() * values.element_size() + \
+        scales.numel() * 4 == R.sparse_payload_bytes(offsets, topk, bits)
 
 
 def test_ties_go_to_the_lower_index_and_zero_chunks_send_zeros(native):

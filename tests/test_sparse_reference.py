@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from acco_ds.ops import reference as R
+from acco_ds.ops.sparse_codec import pack_indices
 
 
 def contract(e, offsets, topk, bits):
@@ -47,8 +48,9 @@ def test_pack_matches_contract(bits, numels, chunk, topk):
         torch.testing.assert_close(e[pos], original[pos] - got[pos], rtol=0, atol=0)  # residual keeps the rest
     untouched = got == 0
     assert torch.equal(e[untouched], original[untouched])
-    assert indices.numel() * 2 + values.numel() * values.element_size() + scales.numel() * 4 == \
-        R.sparse_payload_bytes(offsets, topk, bits)
+    # on the wire (``sparse_codec``, packed): a tag byte, the indices at their chunk's bits, the codes, the scales
+    assert 1 + pack_indices(indices, offsets, topk).numel() + values.numel() * values.element_size() + \
+        scales.numel() * 4 == R.sparse_payload_bytes(offsets, topk, bits)
 
 
 def test_weight_and_refusals():

@@ -27,15 +27,19 @@ def block(k, **sparse):
     return {"mode": "sparseloco", "local_sgd": {"sync_every": H, "replica_group_size": k, **sparse}}
 
 
-def reference(world, k, chunk=16, topk=4, value_bits=2, error_decay=0.95, steps=STEPS):
+def reference(world, k, chunk=16, topk=4, value_bits=2, error_decay=0.95, steps=STEPS, entropy_coding=None,
+              overlap=0):
+    # (the coding is lossless: the simulator has none)
     return simulate_sparseloco(common.make_model(0), common.loss_fn, common.micro_batch, world_size=world,
                                group_size=k, gradient_accumulation_steps=GAS, steps=steps, sync_every=H,
                                optimizer_fn=common.reference_optimizer("AdamW"), chunk=chunk, topk=topk,
-                               value_bits=value_bits, error_decay=error_decay)
+                               value_bits=value_bits, error_decay=error_decay, overlap=overlap)
 
 
-CASES = [dict(chunk=16, topk=4, value_bits=None), dict(chunk=16, topk=4, value_bits=2),
+CASES = [dict(chunk=16, topk=4, value_bits=None, entropy_coding=None), dict(chunk=16, topk=4, value_bits=2),
          dict(chunk=64, topk=6, value_bits=4, error_decay=0.5)]  # 2 x 1: the first and the last; 2 x 2: the first two
+# the gather behind the next inner step (H = 2: it lands one step after its sync)
+OVERLAP = [dict(chunk=16, topk=4, value_bits=2, overlap=1), dict(chunk=64, topk=6, value_bits=4, overlap=1)]
 
 
 def check_against_simulator(results, world, k, cases, first=0):
@@ -56,12 +60,19 @@ def check_against_simulator(results, world, k, cases, first=0):
         assert (ref["anchor"][-1] - ref["anchor"][0]).abs().max() > 1e-3
         a, b = results[0][first + i]["params"][0], results[world - 1][first + i]["params"][0]
         assert (a - b).abs().max() > 1e-4, "replicas trained on the same data"
-    # bytes handed to the all-gather per sync: the wire format's payload of this rank's chunks; over the
-    # k ranks of a replica, the whole model's payload
+    # bytes handed to the all-gather per sync: each rank's packed payload of its chunks (a tag byte each; over
+    # the k ranks of a replica, the whole model's), after its length (8 bytes) when zlib may code it. zlib does
+    # not pay on payloads this small, so every sync sends the packed bytes.
     for i, sparse in enumerate(cases):
-        bits = sparse["value_bits"] or 0
-        per_sync = sum(results[rank][first + i]["stats"]["outer_bytes"] for rank in range(k)) // (STEPS // H)
-        assert per_sync == sparse_payload_bytes(chunk_offsets(SIZES, sparse["chunk"]), sparse["topk"], bits)
+        coded = sparse.get("entropy_coding", "zlib") is not None
+        whole = sparse_payload_bytes(chunk_offsets(SIZES, sparse["chunk"]), sparse["topk"], sparse["value_bits"] or 0)
+        stats = [results[rank][first + i]["stats"] for rank in range(k)]
+        assert sum(s["sparse_payload_bytes"] - 1 for s in stats) == whole - 1
+        # overlapped: the last sync's gather is still in flight when the run ends (it lands at finalize)
+        syncs = STEPS // H - (1 if sparse.get("overlap") else 0)
+        for s in stats:
+            assert s["sparse_wire_bytes"] == s["sparse_payload_bytes"]
+            assert s["outer_bytes"] == syncs * (s["sparse_wire_bytes"] + 8 * coded), (s, coded)
 
 
 def test_chunk_plan_straddles_the_partition_boundary():
@@ -81,11 +92,20 @@ def test_chunk_plan_straddles_the_partition_boundary():
 
 @pytest.mark.timeout(300)
 def test_two_replicas_of_one_rank_match_the_simulator():
-    cases = [CASES[0], CASES[2]]
+    """Also overlapped (the gather behind the next inner step) against the simulator's overlap rule, and
+    ``overlap: 0`` written out: the blocking sync, bit for bit."""
+    cases = [CASES[0], CASES[2], OVERLAP[1]]
     runs = [dict(config=common.ds_config(acco=block(1, **c), gas=GAS), steps=STEPS, record_committed=True)
-            for c in cases]
+            for c in cases + [dict(CASES[0], overlap=0)]]
     results = launch({"runs": runs}, world_size=2, timeout=240)
     check_against_simulator(results, 2, 1, cases)
+    for rank in range(2):
+        today, zero = results[rank][0], results[rank][3]
+        for a, b in zip(today["params"] + today["committed"], zero["params"] + zero["committed"]):
+            assert torch.equal(a, b)
+    # the overlapped rule is not the blocking one: after the first sync the replica is still on its own weights
+    blocking = reference(2, 1, **dict(OVERLAP[1], overlap=0))
+    assert (results[0][2]["params"][1] - blocking["replicas"][0][1]).abs().max() > 1e-4
 
 
 REFUSED = [
@@ -99,6 +119,9 @@ REFUSED = [
     ({"fragments": 2, "sync_every": 4}, 'acco.local_sgd.fragments is Streaming DiLoCo\'s'),
     ({"weighting": "norm"}, 'acco.local_sgd.weighting is EDiT\'s'),
     ({"staleness_penalty": 2.0}, 'acco.local_sgd.staleness_penalty applies to mode "co2"'),
+    ({"overlap": 2, "sync_every": 2}, "acco.local_sgd.overlap (2) must be below sync_every (2): a sync's"),
+    ({"overlap": -1}, '"acco.local_sgd.overlap": Input should be greater than or equal to 0'),
+    ({"entropy_coding": "lz4"}, '"acco.local_sgd.entropy_coding": Input should be \'zlib\''),
 ]
 
 
@@ -121,6 +144,15 @@ def test_a_split_tensor_without_its_partition_dim_is_refused_by_name():
     zero1 = Shards([torch.zeros(4)], [torch.zeros(4)], lambda: None, [[(split, 0)]])
     with pytest.raises(ValueError, match="a tensor-parallel parameter of shape \\(4,\\) needs Megatron's partition_dim"):
         build_outer_loop(acco, zero1, groups)
+    # the overlapped sync gathers on its own thread: not with tensor parallelism or replicas that come and go
+    overlap = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco",
+                                          "local_sgd": {"overlap": 1, "sync_every": 2}}})
+    with pytest.raises(ValueError, match="acco.local_sgd.overlap cannot be used with tensor parallelism yet"):
+        build_outer_loop(overlap, zero1, groups)
+    ft = parse_acco_config({"acco": {"enabled": True, "mode": "sparseloco", "fault_tolerance": {},
+                                     "local_sgd": {"overlap": 1, "sync_every": 2}}})
+    with pytest.raises(ValueError, match="acco.local_sgd.overlap cannot be used with acco.fault_tolerance"):
+        build_outer_loop(ft, zero1, groups)
 
 
 def test_sparseloco_keys_elsewhere_and_what_it_does_not_run_with_are_refused():
@@ -145,12 +177,15 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
     """ZeRO-1 inside each replica, a chunk straddling the partitions; in the same launches: a save mid-period
     (step 3, after a sync left residuals in the error buffers) of the 2-bit case, resumed in fresh processes:
     bit-identical to the uninterrupted run (error buffers, anchor, period position), and the loss goes down."""
-    cases = CASES[:2]
+    cases = CASES[:2] + OVERLAP[:1]
     cfg = common.ds_config(acco=block(2, **cases[1]), gas=GAS)
     saves = {3: str(tmp_path / "ckpt3")}
     runs = [dict(config=common.ds_config(acco=block(2, **c), gas=GAS), steps=STEPS, record_committed=True)
             for c in cases]
     runs += [dict(config=cfg, steps=100, max_micro=GAS * stop, save=path) for stop, path in saves.items()]
+    # overlapped, saved at step 2 with the sync's gather in flight (it lands after step 3)
+    overlapped = common.ds_config(acco=block(2, **OVERLAP[0]), gas=GAS)
+    runs.append(dict(config=overlapped, steps=100, max_micro=GAS * 2, save=str(tmp_path / "flight2")))
     # PP 2 x DP 2: 2 replicas of one data-parallel rank, each with both stages (one Linear each): chunks are
     # per tensor, so each stage packs its own tensors' chunks; the anchor is the unsplit simulator's
     runs.append(dict(config=common.ds_config(acco=block(1, **cases[1]), gas=GAS), steps=STEPS, pipe=2,
@@ -165,8 +200,14 @@ def test_two_replicas_of_two_ranks_match_the_simulator_and_resume_bit_for_bit(tm
     # error buffer (the replica mapping rule), whole (the buffer after the sync at step 2: the simulator's)
     reshard = dict(config=common.ds_config(acco=block(1, **cases[1]), gas=GAS), steps=3, load=saves[3],
                    export_shards=True)
+    flight = dict(config=overlapped, steps=STEPS, load=str(tmp_path / "flight2"), record_committed=True)
     resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path, record_committed=True)
-                               for path in saves.values()] + [reshard]}, world_size=4, timeout=300)
+                               for path in saves.values()] + [flight, reshard]}, world_size=4, timeout=300)
+    for rank in range(4):  # the gather saved in flight lands at its own step: bit for bit the run that went on
+        r, want = resumed[rank][len(saves)], results[rank][2]
+        assert r["loaded"]["global_steps"] == 2
+        for got, expect in zip(r["params"] + r["committed"], want["params"][2:] + want["committed"][2:]):
+            assert torch.equal(got, expect), (got - expect).abs().max()
     ref = reference(4, 2, **cases[1])
     for rank in range(4):
         error = resumed[rank][-1]["loaded"]["outer"]["error"][0]

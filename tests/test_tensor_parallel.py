@@ -131,5 +131,6 @@ def test_sparseloco_with_tensor_parallelism_cuts_chunks_from_whole_tensors():
         for r in ranks:
             got = results[r][0]["stats"]["sparse_residual_norm"]
             assert abs(got - want) <= 1e-4 * want, (got, want)
-    # a chunk's payload: 16-bit indices, 2-bit codes in whole bytes, an fp32 scale; fc2.bias is a 3-element chunk
-    assert [results[r][0]["stats"]["sparse_payload_bytes"] for r in range(2)] == [6 * 13, 5 * 13 + 3 * 2 + 1 + 4]
+    # a rank's payload: a tag byte, then per chunk of 16 its 4 indices at 4 bits, 2-bit codes in whole bytes and an
+    # fp32 scale; fc2.bias is a 3-element chunk, all kept: its indices do not travel
+    assert [results[r][0]["stats"]["sparse_payload_bytes"] for r in range(2)] == [1 + 6 * 7, 1 + 5 * 7 + 1 + 4]

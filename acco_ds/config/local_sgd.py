@@ -34,7 +34,7 @@ OUTER_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov":
                   "decoupled": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}}  # its syncer: DiLoCo's
 EDIT_ONLY = ("sync_time_s", "pseudo_grad_clip", "weighting", "anomaly")
 STREAMING = ("fragments", "fragment_sync_delay", "fragment_update_alpha")  # diloco only
-SPARSE = ("chunk", "topk", "error_decay", "value_bits")  # sparseloco only
+SPARSE = ("chunk", "topk", "error_decay", "value_bits", "entropy_coding", "overlap")  # sparseloco only
 
 
 class AnomalyConfig(_Documented):
@@ -116,7 +116,7 @@ class LocalSGDConfig(_Documented, DecoupledKeys):
 
     chunk: StrictInt = Field(4096, ge=1, description="``sparseloco`` only: elements per chunk. Each parameter "
                              "tensor, flattened, is cut into chunks of this many elements (its last one may be "
-                             "shorter); at most 65536 (indices travel as 16 bits).")
+                             "shorter); at most 65536. Indices travel at ceil(log2 chunk) bits (12 for 4096).")
 
     topk: StrictInt = Field(64, ge=1, description="``sparseloco`` only: entries of largest magnitude kept per chunk "
                             "(density topk / chunk). At most chunk.")
@@ -128,6 +128,14 @@ class LocalSGDConfig(_Documented, DecoupledKeys):
     value_bits: Optional[Literal[2, 4, 8]] = Field(2, description="``sparseloco`` only: bits per kept value (2, 4 "
                                                    "or 8 levels codes with one fp32 scale per chunk), or null "
                                                    "to send the kept values in fp32.")
+
+    entropy_coding: Optional[Literal["zlib"]] = Field("zlib", description="``sparseloco`` only: \"zlib\" sends "
+                                                      "each payload zlib-coded (index gaps, codes, scales) when "
+                                                      "that is smaller; null: the packed payload. Lossless.")
+
+    overlap: StrictInt = Field(0, ge=0, description="``sparseloco`` only: N, inner steps the sparse all-gather runs "
+                               "behind; it lands after N more steps, keeping their progress. 0: the blocking sync. "
+                               "Below sync_every.")
 
     def check_sparse(self, mode: str) -> None:
         """SparseLoCo's keys: sparseloco only; topk <= chunk <= 65536; no outer momentum."""
@@ -144,10 +152,14 @@ class LocalSGDConfig(_Documented, DecoupledKeys):
                                  f'averaged descent with outer_lr. Remove {key}')
         if self.chunk > 65536:
             raise ValueError(f"acco.local_sgd.chunk ({self.chunk}) must be at most 65536: each kept entry's index "
-                             f"inside its chunk travels as 16 bits. Use a chunk of at most 65536 (default 4096)")
+                             f"inside its chunk travels in <= 16 bits. Use a chunk of at most 65536 (default 4096)")
         if self.topk > self.chunk:
             raise ValueError(f"acco.local_sgd.topk ({self.topk}) must be at most acco.local_sgd.chunk "
                              f"({self.chunk}): it is the number of entries kept per chunk. Lower topk or raise chunk")
+        if self.overlap and self.overlap >= (self.sync_every or 0):
+            raise ValueError(f"acco.local_sgd.overlap ({self.overlap}) must be below sync_every "
+                             f"({self.sync_every}): a sync's all-gather lands before the next sync starts. "
+                             f"Lower overlap")
 
     @property
     def streaming(self) -> bool:

@@ -132,7 +132,9 @@ def dequantize_accumulate(q: torch.Tensor, scales: torch.Tensor, out: torch.Tens
 # Chunks: chunk c is ``e[offsets[c]:offsets[c+1]]`` of a flat fp32 tensor (1 <= length <= MAX_CHUNK); a
 # parameter tensor is cut into chunks of ``chunk`` elements (its last one may be shorter), never spanning two
 # tensors (``chunk_offsets``). In each chunk the ``min(topk, length)`` entries of largest ``|e|`` are kept
-# (ties: the lower index), listed in ascending index order. Wire format of one replica's payload:
+# (ties: the lower index), listed in ascending index order. One replica's payload, as ``sparse_pack`` hands
+# it over (``sparse_codec`` turns it into the bytes that travel: indices at the bits their chunk needs, and a
+# zlib coding where it pays):
 # * ``indices``: int16, one per kept entry: its index inside its chunk, as the 16 bits of an unsigned number
 #   (``int(i) & 0xFFFF``), chunk after chunk;
 # * ``values``: with ``value_bits`` b in {2, 4, 8}: uint8, each chunk's level codes packed little-endian
@@ -150,7 +152,7 @@ SPARSE_VALUE_BITS = (0, 2, 4, 8)
 def chunk_offsets(numels, chunk: int) -> torch.Tensor:
     """int64 offsets (C + 1) of the chunks of tensors of ``numels`` elements laid end to end."""
     if not 1 <= chunk <= MAX_CHUNK:
-        raise ValueError(f"chunk must be in [1, {MAX_CHUNK}] (indices travel as 16 bits), got {chunk}")
+        raise ValueError(f"chunk must be in [1, {MAX_CHUNK}] (an index is held in 16 bits), got {chunk}")
     bounds, start = [0], 0
     for n in numels:
         bounds.extend(range(start + chunk, start + n, chunk))
@@ -173,11 +175,33 @@ def sparse_layout(offsets: torch.Tensor, topk: int, value_bits: int):
     return kept, entry_starts, torch.cat([zero, nbytes.cumsum(0)])
 
 
+def index_bits(lengths: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Bits per index on the wire for chunks of ``lengths`` elements keeping ``kept`` (``sparse_codec``):
+    ⌈log2 L⌉ (0 for L = 1), and 0 when every entry is kept (k == L: the indices are 0 … L−1)."""
+    span = (lengths - 1).clamp(min=0)
+    bits = sum(((span >> t) > 0).to(torch.int64) for t in range(17))
+    return torch.where(kept == lengths, torch.zeros_like(bits), bits)
+
+
+def index_layout(offsets: torch.Tensor, topk: int):
+    """``(kept, widths, entry_starts, byte_starts)`` of the packed indices: entries and bits per index of each
+    chunk (C), the start of each chunk's entries and of its index bytes (C + 1; the last is the total)."""
+    offsets = offsets.cpu()
+    lengths = offsets[1:] - offsets[:-1]
+    kept = lengths.clamp(max=topk)
+    widths = index_bits(lengths, kept)
+    zero = torch.zeros(1, dtype=torch.int64)
+    nbytes = (kept * widths + 7) // 8
+    return kept, widths, torch.cat([zero, kept.cumsum(0)]), torch.cat([zero, nbytes.cumsum(0)])
+
+
 def sparse_payload_bytes(offsets: torch.Tensor, topk: int, value_bits: int) -> int:
-    """Bytes of one replica's payload: 2 per index, the values, 4 per chunk scale (b > 0)."""
-    kept, entry_starts, byte_starts = sparse_layout(offsets, topk, value_bits)
+    """Bytes of one replica's payload on the wire when packed (the most it takes; ``sparse_codec``): a tag byte,
+    the indices at ⌈log2 L⌉ bits for a chunk of L elements (none when all are kept), the values, 4 per chunk
+    scale (b > 0)."""
+    kept, _, byte_starts = sparse_layout(offsets.cpu(), topk, value_bits)
     scales = 4 * kept.numel() if value_bits else 0
-    return int(2 * entry_starts[-1] + byte_starts[-1] + scales)
+    return 1 + int(index_layout(offsets, topk)[3][-1]) + int(byte_starts[-1]) + scales
 
 
 def _chunk_rows(e: torch.Tensor, offsets: torch.Tensor):

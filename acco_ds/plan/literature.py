@@ -1,5 +1,6 @@
 """Published cases the plan's model is checked against (docs/plan.md, "Checked against the literature"):
-INTELLECT-1's bytes and utilization, the Streaming DiLoCo paper's Table 4, Megatron-LM's Table 1 layouts, and
+INTELLECT-1's bytes and utilization, Covenant-72B's bytes per round, the Streaming DiLoCo paper's Table 4,
+Megatron-LM's Table 1 layouts, and
 projections for H100 sites. ``benchmarks/plan_literature.py`` prints them; tests/test_plan.py pins them.
 
 Nothing here is measured: it evaluates the plan's model under stated inputs.
@@ -63,6 +64,27 @@ def intellect_utilization(gbit: float, step_s: float) -> float:
                     compute_s=step_s, inter_bps=gbit * 1e9, inter_latency_s=0.0)
     m = pm.Mode("diloco int8", "diloco", compression="int8", sync_every=INTELLECT["sync_every"])
     return pm.evaluate(inp, m)["compute_utilization"]
+
+
+# Covenant-72B (arXiv 2603.08163; SparseLoCo, arXiv 2508.15706): 72B parameters, SparseLoCo with H = 30 and
+# 1.56% density (64 of every 4096 entries), 2-bit values, error feedback; "more than 146x" compression against
+# fp32 DiLoCo, 94.5% compute utilization, about 70 s of communication a round. Its bytes per round follow from
+# the published ratio: a replica sends at most 4 N / 146 bytes a round (1.97 GB at N = 72e9).
+COVENANT = {"params": 72e9, "sync_every": 30, "chunk": 4096, "topk": 64, "value_bits": 2, "compression": 146,
+            "utilization": 0.945, "comm_s": 70}
+
+
+def covenant_bytes() -> dict:
+    """Bytes one replica sends per round in Covenant-72B's setting: as published (4 N / 146) and as the plan
+    counts acco_ds's payload (``model.sparse_payload``: indices packed at 12 bits, or zlib-coded at their
+    information bound), each with its ratio to the fp32 pseudo-gradient (4 N bytes)."""
+    inp = pm.Inputs(params=int(COVENANT["params"]), tokens_per_step=1, nodes=2, ranks_per_node=1)
+    sparse = {k: COVENANT[k] for k in ("chunk", "topk", "value_bits")}
+    fp32 = 4 * COVENANT["params"]
+    out = {"published": fp32 / COVENANT["compression"],
+           "packed": pm.sparse_payload(inp, dict(sparse, entropy_coding=None)),
+           "zlib": pm.sparse_payload(inp, dict(sparse, entropy_coding="zlib"))}
+    return {k: (v, fp32 / v) for k, v in out.items()}
 
 
 # Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), Table 4: the Gbit/s each method needs to reach a

@@ -10,6 +10,13 @@ steps, for each replica r, in replica order::
     e_r[kept] −= q_r
     x −= outer_lr · (Σ_r scatter(q_r)) / R;   θ_r = x   (the inner optimizer state carries on)
 
+With ``overlap`` = N > 0 (docs/design/outer-loops.md, "sparseloco overlapped") the sync above computes the
+sends and the residuals at once, but the anchor step and the replicas' move wait N inner steps; then::
+
+    x −= outer_lr · avg;   θ_r += x − θ_r(sync)     (θ_r(sync): the replica's weights at the sync)
+
+so each replica keeps what it learned in those N steps. N = 0 is the blocking sync above.
+
 Bit-compatibility with the wire format: the selection and the levels are the wire format's own
 (``ops.reference.sparse_pack``), run on ``e_r`` rounded to fp32, so q_r is exactly what an fp32 engine
 would send for that buffer; q_r (fp32 numbers) then enters the float64 buffers and sums exactly. The
@@ -50,7 +57,8 @@ def simulate_sparseloco(model: torch.nn.Module, loss_fn: Callable, micro_batch: 
                         group_size: int, gradient_accumulation_steps: int, steps: int, sync_every: int,
                         optimizer_fn: Callable, outer_lr: float = 1.0, chunk: int = 4096, topk: int = 64,
                         error_decay: float = 0.95, value_bits: Optional[int] = 2, clip: float = 0.0,
-                        lr_lambda: Optional[Callable] = None, dtype: torch.dtype = torch.float64) -> dict:
+                        lr_lambda: Optional[Callable] = None, dtype: torch.dtype = torch.float64,
+                        overlap: int = 0) -> dict:
     """``steps`` inner steps of ``sparseloco`` with ``R = world_size / group_size`` replicas (rank r's i-th
     micro-batch is ``micro_batch(r, i)``; replica g is ranks g*k .. g*k+k-1).
 
@@ -70,19 +78,31 @@ def simulate_sparseloco(model: torch.nn.Module, loss_fn: Callable, micro_batch: 
         replica_inner_step(replicas[g], params[g], range(g * k, (g + 1) * k), gradient_accumulation_steps, nxt,
                            loss_fn, micro_batch, opts[g], clip, scheds[g])
 
+    def move(g, new):
+        with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input
+            vector_to_parameters(new.clone(), params[g])
+
+    flight = None  # overlap: (the step it lands at, the average, each replica's weights at the sync)
     for step in range(1, steps + 1):
         for g in range(R):
             inner_step(g)
+        if flight is not None and step == flight[0]:
+            x -= outer_lr * flight[1]
+            for g in range(R):
+                move(g, theta(g) + (x - flight[2][g]))
+            flight = None
         if step % sync_every == 0:
             total = torch.zeros_like(x)
             for g in range(R):
                 errors[g].mul_(error_decay).add_(x - theta(g))
                 total += sparse_send(errors[g], offsets, topk, value_bits)
                 out["errors"][g].append(errors[g].clone())
-            x -= outer_lr * (total / R)
-            for g in range(R):
-                with torch.no_grad():  # a copy: vector_to_parameters makes the parameters views of its input
-                    vector_to_parameters(x.clone(), params[g])
+            if overlap:
+                flight = (step + overlap, total / R, [theta(g) for g in range(R)])
+            else:
+                x -= outer_lr * (total / R)
+                for g in range(R):
+                    move(g, x)
         for g in range(R):
             out["replicas"][g].append(theta(g))
         out["anchor"].append(x.clone())

@@ -8,10 +8,10 @@ At every sync, on each replica r (docs/sparseloco.md has the contract, exact)::
     e_r[kept] −= q_r
     anchor −= outer_lr · (Σ_r scatter(q_r)) / R;   every replica restarts at the anchor
 
-Aggregation is an all-gather of each replica's packed payload (16-bit indices, b-bit codes, one fp32
-scale per chunk) over the outer group (the ranks holding the same shard in every replica), then every
-rank unpacks all R payloads into its part of the average: no all-reduce, since the indices differ per
-replica. A chunk straddling two ranks' ZeRO-1 partitions is packed by the rank holding its first element,
+Aggregation is an all-gather of each replica's payload (indices at the bits their chunk needs, b-bit codes,
+one fp32 scale per chunk; zlib-coded when that is smaller: ``ops/sparse_codec.py``) over the outer group
+(the ranks holding the same shard in every replica), then every rank unpacks all R payloads into its part of
+the average: no all-reduce, since the indices differ per replica. A chunk straddling two ranks' ZeRO-1 partitions is packed by the rank holding its first element,
 which first takes the other ranks' part of the error buffer and afterwards hands back their residual and
 averaged update (``chunks.py``). Mixture of experts: an expert group is cut into chunks over its own partition
 (its expert-data-parallel ranks inside the replica, its partners for straddling chunks); its payloads travel
@@ -28,12 +28,14 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from ...ops import load_kernels
-from ...ops.reference import sparse_layout, sparse_payload_bytes
+from ...ops import load_kernels, sparse_codec
+from ...ops.reference import sparse_layout
 from . import words
 from .base import LocalSGD
 from .chunks import ChunkPlan, chunk_plan
 from .interface import ReplicaGroups, Shards
+from .sparse_overlap import SparseOverlap
+from .sparse_state import SparseCheckpoints
 from .sparse_tp import WholeTensors, whole_layout
 from ..reshard import Layout
 
@@ -45,18 +47,23 @@ def fsdp2_layout(param, k: int) -> list:
     return list(zip(layout.starts, layout.sizes))
 
 
-class SparseLoCo(LocalSGD):
-    """The outer loop of mode ``sparseloco`` (see the module docstring). Args: as ``LocalSGD``."""
+class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
+    """The outer loop of mode ``sparseloco`` (see the module docstring; ``overlap`` > 0: ``sparse_overlap``;
+    checkpoints: ``sparse_state``). Args: as ``LocalSGD``."""
 
-    schedule_mode = "diloco"  # blocking periods of sync_every inner steps
+    schedule_mode = "diloco"  # periods of sync_every inner steps
     dense_outer = False  # its own compression: acco.compression never applies to its outer step
 
     def __init__(self, acco, shards: Shards, groups: ReplicaGroups):
+        self.check_overlap(acco, groups)
         layout = whole_layout(shards, groups.tensor_parallel) if groups.tensor_parallel > 1 else None
+        self.overlap = (acco.local_sgd.overlap if acco.local_sgd is not None else 0) or 0
+        self.finishing = False  # finalize: the last sync blocks
         super().__init__(acco, shards, groups)
         ls = self.local
         self.chunk, self.topk, self.decay = ls.chunk, ls.topk, ls.error_decay
         self.bits = ls.value_bits or 0  # 0: fp32 values (the wire format's b = 0)
+        self.coding = ls.entropy_coding
         self.kernels = load_kernels(acco.kernels, shards.device)
         # Tensor parallelism: chunks of whole tensors, dealt out to the replica's ranks (sparse_tp.py); else
         # each rank packs the chunks that start in its partition (chunks.py)
@@ -71,11 +78,16 @@ class SparseLoCo(LocalSGD):
         self.error = [torch.zeros_like(m) for m in shards.masters]
         mine = [self.whole.offsets] if self.whole is not None else [p.offsets for p in self.plans]
         mine = [o for o in mine if o.numel() > 1]
-        self.payload = sum(sparse_payload_bytes(o, self.topk, self.bits) for o in mine)
+        self.payload = sum(sparse_codec.packed_bytes(o, self.topk, self.bits) for o in mine)
+        self.wire_bytes: Optional[int] = None  # what this rank's payloads took on the wire at the last sync
         self.kept = sum(int(sparse_layout(o, self.topk, self.bits)[1][-1]) for o in mine)
         self.owned = sum(int(o[-1]) for o in mine)  # elements in this rank's chunks
         self.boundary_bytes = 0  # bytes this rank sent to its replica's ranks for straddling chunks
         self.residual_norm: Optional[float] = None  # ‖e‖ of this replica after the last sync
+
+    @property
+    def overlapped(self) -> bool:
+        return self.overlap > 0  # the gather runs on the outer communication thread
 
     def _partitioned_over(self, i: int):
         """(global ranks, process group, this rank's index) of the ranks of this replica that partition group
@@ -88,7 +100,27 @@ class SparseLoCo(LocalSGD):
     # ------------------------------------------------------------------ the sync
     @torch.no_grad()
     def _sync(self, sync) -> None:
-        self._sparse_sync()
+        if self.overlap and not self.finishing:
+            self.start_flight()
+        else:
+            self._sparse_sync()
+
+    def after_inner_step(self) -> None:
+        self.count_flight()  # before the period's end: N < sync_every, so it lands before the next sync
+        super().after_inner_step()
+
+    def finalize(self) -> None:
+        """A gather in flight lands now; then the blocking sync of the unfinished period."""
+        if self.flight is not None:
+            self.land_flight()
+        self.finishing = True
+        try:
+            super().finalize()
+        finally:
+            self.finishing = False
+
+    def settle(self) -> None:
+        self.collect_flight()  # the gather in flight done and averaged; it lands at its own step
 
     def join_sync(self) -> bool:
         """A replica that joins takes part in its first sync with weight 0 (``fault_tolerance.JoinsAndHeals``)."""
@@ -101,6 +133,7 @@ class SparseLoCo(LocalSGD):
         Unless its payload went into a committed average (weight > 0, commit), the replica's error buffers are
         left as before the sync: what it did not send stays its own."""
         start = time.perf_counter()
+        self.wire_bytes = 0
         ft = self.fault_tolerance is not None
         if ft:
             self.begin_sync()
@@ -108,10 +141,7 @@ class SparseLoCo(LocalSGD):
         before = [e.clone() for e in self.error] if ft else None
         for i, (x, master, e) in enumerate(zip(self.anchor, self.shards.masters, self.error)):
             e.mul_(self.decay).add_(x - master)
-            if not bool(torch.isfinite(e).all()):
-                raise FloatingPointError(f"sparseloco: the pseudo-gradient of parameter group {i} is not finite at "
-                                         f"sync {self.syncs + 1} (the inner steps diverged): lower the learning rate "
-                                         f"or set gradient_clipping")
+            self.refuse_non_finite(e, i)
         if self.whole is not None:
             average = self._sync_whole(weight)
         else:
@@ -126,14 +156,24 @@ class SparseLoCo(LocalSGD):
                 x.sub_(avg, alpha=self.settings["outer_lr"])
             self._install(self.anchor)
             self.unsent_steps = 0
-        segments = self.shards.norm_segments if self.whole is not None else None  # replicated tensors once
-        squares = sum(float(e.double().square().sum()) for e in self.error) if segments is None else sum(
-            float(e[a:a + n].double().square().sum()) for e, ranges in zip(self.error, segments) for a, n in ranges)
-        self.residual_norm = math.sqrt(self.groups.reduce(squares, self.shards.device))
+        self.residual_norm = self.error_norm()
         seconds = time.perf_counter() - start
         self.outer_comm_s += seconds
         self.outer_wait_s += seconds
         return committed
+
+    def refuse_non_finite(self, e: torch.Tensor, i: int) -> None:
+        if not bool(torch.isfinite(e).all()):
+            raise FloatingPointError(f"sparseloco: the pseudo-gradient of parameter group {i} is not finite at "
+                                     f"sync {self.syncs + 1} (the inner steps diverged): lower the learning rate "
+                                     f"or set gradient_clipping")
+
+    def error_norm(self) -> float:
+        """‖e‖ over the parameters this rank's replica holds (replicated tensors once)."""
+        segments = self.shards.norm_segments if self.whole is not None else None
+        squares = sum(float(e.double().square().sum()) for e in self.error) if segments is None else sum(
+            float(e[a:a + n].double().square().sum()) for e, ranges in zip(self.error, segments) for a, n in ranges)
+        return math.sqrt(self.groups.reduce(squares, self.shards.device))
 
     def _sync_group(self, plan: ChunkPlan, e: torch.Tensor, weight: float, peers) -> torch.Tensor:
         """Pack this rank's chunks of one group, gather every replica's payload, return this rank's partition
@@ -175,7 +215,7 @@ class SparseLoCo(LocalSGD):
         """Pack ``region``'s chunks (it keeps the residual), gather every replica's payload, ``avg`` ← their
         weighted average."""
         payload = self.kernels.sparse_pack(region, offsets, topk=self.topk, value_bits=self.bits)
-        gathered = list(self._gather(payload, weight))  # a replica with weight 0 (it just joined) adds nothing
+        gathered = list(self._gather(payload, offsets, weight))  # weight 0 (it just joined): left out
         self.kernels.sparse_average(avg, offsets, [p for p, _ in gathered], [w for _, w in gathered],
                                     topk=self.topk, value_bits=self.bits)
 
@@ -197,17 +237,24 @@ class SparseLoCo(LocalSGD):
         self.boundary_bytes += sum(t.numel() * t.element_size() for t in sends)
         return received
 
-    def _gather(self, payload, weight: float):
-        """Every replica's ``(indices, values, scales)`` of this shard's chunks, in replica order, with its merge
-        weight (one gather of the payload's bytes over the outer group: ``transport.gather``)."""
-        parts = [t.contiguous().view(torch.uint8) for t in payload]
-        sizes = [t.numel() for t in parts]
-        for buf, w in self.transport.gather(torch.cat(parts), weight):
-            out, at = [], 0
-            for t, n in zip(payload, sizes):
-                out.append(buf[at:at + n].clone().view(t.dtype))  # a copy: aligned for its dtype
-                at += n
-            yield out, w
+    def _gather(self, payload, offsets, weight: float):
+        """Every replica's ``(indices, values, scales)`` of this shard's chunks with its merge weight, in replica
+        order, leaving out those of weight 0 (they add nothing to the average). The payload travels encoded
+        (``sparse_codec``); zlib-coded payloads differ in length, so their lengths are gathered first and every
+        replica's bytes are padded to the longest (``transport.gather`` moves equal sizes)."""
+        wire = sparse_codec.encode(payload, offsets, topk=self.topk, value_bits=self.bits, coding=self.coding)
+        self.wire_bytes += wire.numel()
+        sizes = None
+        if self.coding is not None:
+            mine = torch.tensor([wire.numel()], dtype=torch.int64, device=wire.device).view(torch.uint8)
+            sizes = [int(b.cpu().clone().view(torch.int64)[0]) for b, _ in self.transport.gather(mine, weight)]
+            longest = max(sizes, default=wire.numel())
+            wire = torch.cat([wire, wire.new_zeros(longest - wire.numel())])
+        for r, (buf, w) in enumerate(self.transport.gather(wire, weight)):
+            if w:
+                n = sizes[r] if sizes is not None else buf.numel()
+                yield sparse_codec.decode(buf[:n], offsets, topk=self.topk, value_bits=self.bits,
+                                          device=payload[0].device), w
 
     # ------------------------------------------------------------------ words and figures
     def banner(self) -> str:
@@ -220,54 +267,11 @@ class SparseLoCo(LocalSGD):
         s = super().stats()
         s.update(sparse_chunk=self.chunk, sparse_topk=self.topk, sparse_value_bits=self.bits or None,
                  sparse_error_decay=self.decay, sparse_density=self.kept / self.owned if self.owned else 0.0,
-                 sparse_payload_bytes=self.payload, sparse_dense_bytes=4 * self.owned,
+                 sparse_payload_bytes=self.payload, sparse_wire_bytes=self.wire_bytes,
+                 sparse_entropy_coding=self.coding, sparse_dense_bytes=4 * self.owned,
                  sparse_boundary_bytes=self.boundary_bytes, sparse_residual_norm=self.residual_norm,
                  outer_residual_bytes=sum(e.numel() * e.element_size() for e in self.error))
         return s
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd.update(error=[e.clone() for e in self.error], sparse=self._settings())
-        return sd
-
-    def _settings(self) -> dict:
-        return {"chunk": self.chunk, "topk": self.topk, "value_bits": self.bits, "error_decay": self.decay}
-
-    def check_kind(self, sd: dict) -> None:
-        saved = sd.get("sparse")
-        if saved is None:
-            raise ValueError(f"this checkpoint was saved by another local-SGD mode than sparseloco (no error-feedback "
-                             f"buffers): resume it with its own mode, or load only the module weights "
-                             f"(load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False))")
-        changed = {k: (v, self._settings()[k]) for k, v in saved.items() if k != "error_decay" and v != self._settings()[k]}
-        if changed:
-            key, (old, new) = next(iter(changed.items()))
-            raise ValueError(f"this sparseloco checkpoint was saved with acco.local_sgd.{key}={old} but this run has "
-                             f"{new}: its error-feedback buffers hold what that layout left out. Resume with "
-                             f"{key}={old}, or load only the module weights (load_optimizer_states=False)")
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: Optional[dict]) -> None:
-        super().load_state_dict(sd)
-        for dst, src in zip(self.error, sd["error"]):
-            dst.copy_(src)
-
-    def reshard_state(self, first: list, mine: list, plan) -> dict:
-        """The anchor from old replica 0; the error buffers from the mapped old replica (they are per replica,
-        the replica mapping rule), re-partitioned like the masters; the period position kept."""
-        if first[0] is None:
-            self.load_state_dict(None)  # raises: saved without a local-SGD mode
-        self.check_kind(first[0])
-        return {"schedule": mine[0]["schedule"], "replicas": self.groups.replicas, "k": self.groups.k,
-                "anchor": plan.piece([s["anchor"] for s in first]), "momentum": [], "residuals": None,
-                "error": plan.piece([s["error"] for s in mine]), "sparse": first[0]["sparse"]}
-
-    @torch.no_grad()
-    def restart(self) -> None:
-        super().restart()
-        for e in self.error:
-            e.zero_()
 
 
 __all__ = ["SparseLoCo"]

@@ -85,13 +85,16 @@ def sparse_banner(loop) -> str:
 def sparse_words(s: dict) -> str:
     """sparseloco's summary line, from ``stats()``: density, bits, bytes per sync, residual norm."""
     bits = f"{s['sparse_value_bits']}-bit values" if s["sparse_value_bits"] else "fp32 values"
-    dense = s["sparse_dense_bytes"]
-    ratio = f", {dense / s['sparse_payload_bytes']:.0f}x fewer than its fp32 pseudo-gradient" \
-        if s["sparse_payload_bytes"] else ""
+    dense, packed, wire = s["sparse_dense_bytes"], s["sparse_payload_bytes"], s.get("sparse_wire_bytes")
+    sent = wire if wire else packed  # before the first sync: the packed size
+    ratio = f", {dense / sent:.0f}x fewer than its fp32 pseudo-gradient" if sent else ""
+    coded = f"{wire:,} bytes zlib-coded at the last sync ({packed:,} packed)" if wire and wire != packed \
+        else f"{packed:,} bytes packed"
+    index = (max(s["sparse_chunk"], 2) - 1).bit_length()
     norm = s["sparse_residual_norm"]
     return (f"top {s['sparse_topk']} of every {s['sparse_chunk']} elements (density {100 * s['sparse_density']:.2f}%), "
-            f"{bits} + 16-bit indices + an fp32 scale per chunk: {s['sparse_payload_bytes']:,} bytes per sync "
-            f"handed to the all-gather by this rank{ratio}; error feedback decay {s['sparse_error_decay']:g}, "
+            f"{bits} + {index}-bit indices + an fp32 scale per chunk: {coded} per sync handed to the all-gather "
+            f"by this rank{ratio}; error feedback decay {s['sparse_error_decay']:g}, "
             f"residual norm {'n/a (no sync yet)' if norm is None else f'{norm:.4g}'} (the parameters this rank's "
             f"replica group holds, after the last sync); {s['sparse_boundary_bytes']:,} bytes traded inside the replica for chunks across partitions")
 
