@@ -64,6 +64,12 @@ for _h in (2, 4, 8):
 MODES["diloco H=8 F=2 τ=2 int8"] = MODES["diloco H=8 F=2 τ=2"] + ["--compression", "int8"]
 SPARSE_RACE_MODES = [STOCK, "diloco H=8 F=2 τ=2 int8"] + [f"{m} H={h}" + (" int8" if m == "diloco" else "")
                                                            for h in (2, 4, 8) for m in ("diloco", "sparseloco")]
+# Issue 72's 1 Mbit race: sparseloco with its indices packed only (entropy_coding null), and with the default zlib
+# coding and the all-gather behind the next N inner steps.
+for _h in (2, 4, 8):
+    MODES[f"sparseloco H={_h} packed"] = MODES[f"sparseloco H={_h}"] + ["--entropy_coding", "none"]
+    for _n in range(1, _h):
+        MODES[f"sparseloco H={_h} overlap={_n}"] = MODES[f"sparseloco H={_h}"] + ["--overlap", str(_n)]
 TWONODE_MODES = [STOCK, "acco fixed", "acco adaptive", "diloco H=8", "diloco H=32", "co2 H=8", "co2 H=32",
                  "edit H=8", "edit H=32", "a-edit T=5s"]
 LAYOUTS = {"pair": (2, 1), "twonode": (4, 2)}  # layout -> (world size, ranks per node)

@@ -87,6 +87,8 @@ def main():
     parser.add_argument("--fragments", type=int, default=None, help="diloco: Streaming DiLoCo fragments (F)")
     parser.add_argument("--fragment_sync_delay", type=int, default=None, help="Streaming DiLoCo: τ")
     parser.add_argument("--fragment_update_alpha", type=float, default=None, help="Streaming DiLoCo: α")
+    parser.add_argument("--overlap", type=int, default=None, help="sparseloco: the gather behind N inner steps")
+    parser.add_argument("--entropy_coding", choices=["zlib", "none"], default=None, help="sparseloco's coding")
     parser.add_argument("--compression", choices=["int8", "fp8"], default=None,
                         help="acco.compression.dtype (what crosses nodes is compressed: apply_to auto)")
     parser.add_argument("--no_error_feedback", action="store_true", help="acco.compression.error_feedback false")
@@ -140,9 +142,11 @@ def main():
                 local["sync_time_s"] = args.sync_time_s
             if args.replica_group_size:
                 local["replica_group_size"] = args.replica_group_size
-            for key in ("fragments", "fragment_sync_delay", "fragment_update_alpha"):
+            for key in ("fragments", "fragment_sync_delay", "fragment_update_alpha", "overlap"):
                 if getattr(args, key) is not None:
                     local[key] = getattr(args, key)
+            if args.entropy_coding:
+                local["entropy_coding"] = None if args.entropy_coding == "none" else args.entropy_coding
             if args.penalty != "none":
                 local["anomaly"] = {"enabled": True, "warmup_syncs": 3}
             if args.penalty == "all":

@@ -79,7 +79,8 @@ def sparse_banner(loop) -> str:
     bits = f"{loop.bits}-bit values" if loop.bits else "fp32 values"
     return (f"replicas={loop.groups.replicas} x {loop.groups.k} ranks ({_inner(loop)} inside each) "
             f"{loop.period_words()[0]} outer=averaged descent lr={loop.settings['outer_lr']:g} sparse: top "
-            f"{loop.topk} of every {loop.chunk} elements, {bits}, error feedback decay {loop.decay:g}")
+            f"{loop.topk} of every {loop.chunk} elements, {bits}, error feedback decay {loop.decay:g}"
+            f"{f', all-gather behind the next {loop.overlap} inner step(s)' if loop.overlap else ''}")
 
 
 def sparse_words(s: dict) -> str:
