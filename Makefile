@@ -7,6 +7,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STEPS  ?= 60
+# JIT-built ops (DeepSpeed's shared-memory op, its fused Adam) live beside the venv that built them: a shared
+# ~/.cache/torch_extensions would be rebuilt (a minute or more) whenever another checkout's venv ran last.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: install demo test test-fast docs bench-kernels bench-cluster clean
 
