@@ -132,7 +132,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["acco_ds", "acco_ds.*"]),
     python_requires=">=3.9",
-    install_requires=["deepspeed>=0.19,<0.20", "pydantic>=2", "ninja", "hjson", "tqdm"],
+    install_requires=["deepspeed>=0.19,<0.20", "pydantic>=2", "ninja", "hjson", "tqdm", "pyzmq>=25"],
     # acco.fault_tolerance (replicas that come and go) runs on torchft; pip install "acco_ds[ft]"
     extras_require={"ft": ["torchft>=0.2,<0.3"]},
     entry_points={"console_scripts": ["acco-ds-run=acco_ds.cli.run:main", "acco-ds=acco_ds.cli.report:main",

@@ -59,31 +59,44 @@ def run(name, args, work, chaos, variant):
     d.mkdir(parents=True)
     port = free_port()
     cfg = copy.deepcopy(BASE)
+    full = args.fault == "stop-learner"  # K = M: a stopped learner would stall everyone without liveness
     cfg["acco"] = {"enabled": True, "mode": "decoupled",
-                   "local_sgd": {"sync_every": args.sync_every, "min_quorum": 1, "grace_s": "auto",
+                   "local_sgd": {"sync_every": args.sync_every, "min_quorum": 3 if full else 1,
+                                 "grace_s": 0 if full else "auto",
                                  "staleness": "delayed_nesterov", "nesterov_delay": 3, "adopt": adopt,
                                  "syncer": {"address": f"127.0.0.1:{port}", "state_dir": str(state),
-                                            "timeout_s": 60}}}
+                                            "timeout_s": 60, "liveness_s": args.liveness_s}}}
     if dtype != "fp32":
         cfg["acco"]["compression"] = {"dtype": dtype, "apply_to": ["outer"]}
     cfg_path = d / "config.json"
     cfg_path.write_text(json.dumps(cfg))
     log = open(d / "log.txt", "w")
-    syncer = subprocess.Popen([sys.executable, "-m", "acco_ds.cli.report", "syncer", "--config", str(cfg_path),
-                               "--shards", "1", "--port", str(port), "--host", "127.0.0.1", "--learners", "3"],
-                              env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_syncer():
+        return subprocess.Popen([sys.executable, "-m", "acco_ds.cli.report", "syncer", "--config", str(cfg_path),
+                                 "--shards", "1", "--port", str(port), "--host", "127.0.0.1", "--learners", "3"],
+                                env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    syncer = start_syncer()
     t0, load = time.perf_counter(), os.getloadavg()[0]
     procs = {i: learner(i, cfg_path, d / f"learner{i}", args.seconds, log) for i in range(3)}
     killed_at = relaunched_at = None
     if chaos:
         time.sleep(args.kill_at)
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        procs[1].wait()
+        victim = syncer if args.fault == "kill-syncer" else procs[1]
+        os.killpg(victim.pid, signal.SIGSTOP if args.fault == "stop-learner" else signal.SIGKILL)
         killed_at = time.perf_counter() - t0
+        if args.fault != "stop-learner":
+            victim.wait()
         time.sleep(args.relaunch_after)
         relaunched_at = time.perf_counter() - t0
-        procs[1] = learner(1, cfg_path, d / "learner1", max(1.0, args.seconds - args.kill_at), log)
+        if args.fault == "stop-learner":
+            os.killpg(victim.pid, signal.SIGCONT)
+        elif args.fault == "kill-syncer":
+            syncer = start_syncer()
+        else:
+            procs[1] = learner(1, cfg_path, d / "learner1", max(1.0, args.seconds - args.kill_at), log)
     codes = {i: p.wait(timeout=args.seconds * 6 + 120) for i, p in procs.items()}
     wall = time.perf_counter() - t0
     syncer.wait(timeout=60)
@@ -97,7 +110,7 @@ def run(name, args, work, chaos, variant):
     inside = [c for m in merges if m["time"] <= first + args.seconds for c in m["contributions"]]
     window = sum(c["steps"] for c in inside)
     others = sum(c["steps"] for c in inside if c["learner"] != 1)  # the learners that were not killed
-    return {"name": name, "variant": variant, "wall_s": wall, "load": [load, os.getloadavg()[0]], "codes": codes, "killed_at_s": killed_at,
+    return {"name": name, "variant": f"{variant} {args.fault}", "wall_s": wall, "load": [load, os.getloadavg()[0]], "codes": codes, "killed_at_s": killed_at,
             "relaunched_at_s": relaunched_at, "merges": len(merges), "merged_inner_steps": merged_steps,
             "goodput_steps_per_s": merged_steps / wall, "window_steps_per_s": window / args.seconds,
             "window_others_steps_per_s": others / args.seconds,
@@ -113,6 +126,14 @@ def run(name, args, work, chaos, variant):
             "final_val_loss": {i: r["trace"][-1]["val_loss"] for i, r in ranks.items()}}
 
 
+FAULTS = {"kill-learner": "learner 1 killed (SIGKILL) at {a.kill_at:g} s, relaunched {a.relaunch_after:g} s later "
+                          "with the training time it had left.",
+          "stop-learner": "learner 1 stopped (SIGSTOP) at {a.kill_at:g} s for {a.relaunch_after:g} s, then SIGCONT; "
+                          "K = M = 3, grace 0, liveness_s {a.liveness_s:g}: the others merge without it meanwhile.",
+          "kill-syncer": "the syncer killed (SIGKILL) at {a.kill_at:g} s and started again on its state_dir "
+                         "{a.relaunch_after:g} s later."}
+
+
 def worst_pause(r) -> float:
     """The longest pause of the learners that were not killed (0 and 2), in their mean inner steps."""
     return max(r["max_wait_s"][i] / r["inner_step_s"][i] for i in (0, 2))
@@ -124,9 +145,8 @@ def render(pairs, args, argv) -> str:
              f"({getattr(args, 'date', None) or time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, CPU, "
              f"Python {platform.python_version()}. 3 learners of one rank, one process each, `acco-ds syncer` of one "
              f"shard; GPT 2 layers x 64, block 64, micro-batch 8 x 2; sync_every {args.sync_every}, K = 1, grace "
-             f"auto, Delayed Nesterov (N = 3); {args.seconds:g} s of training per learner. Chaos: learner 1 killed "
-             f"(SIGKILL) at {args.kill_at:g} s, relaunched {args.relaunch_after:g} s later with the training time it "
-             f"had left. Variant: `adopt` : the up-link's dtype.\n",
+             f"auto, Delayed Nesterov (N = 3); {args.seconds:g} s of training per learner. Chaos (`--fault`): "
+             f"{FAULTS[args.fault].format(a=args)} Variant: `adopt` : the up-link's dtype, then the fault.\n",
              "| variant | run | wall s | merges | inner steps merged | goodput (steps/s) | longest pause 0/1/2 (s) | "
              "mean inner step 0/1/2 (s) | up-link bytes per period | final versions 0/1/2 (syncer) | exit codes | "
              "load average before/after |",
@@ -174,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--variants", nargs="+", default=["wait:fp32", "overlap:fp32", "overlap:int8"],
                     help="adopt:dtype pairs (adopt wait|overlap, dtype fp32|int8|fp8)")
+    ap.add_argument("--fault", choices=sorted(FAULTS), default="kill-learner")
+    ap.add_argument("--liveness-s", type=float, default=2.0, help="acco.local_sgd.syncer.liveness_s")
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_chaos"))
     ap.add_argument("--render", action="store_true", help="only write the page again from the saved JSON")
     args = ap.parse_args(argv)

@@ -1,13 +1,14 @@
 """What the wire of ``"mode": "decoupled"`` costs: one learner's exchange with a syncer shard (Δ up, ACK, READY,
 θ_g down: the merge with K = 1 and no grace window) against a gloo all-reduce of the same tensor between two
-processes (what ``diloco``'s outer step sends), on loopback, for several model sizes; the exchange with Δ in fp32
-and with the int8 up-link (blocks of 256 with error feedback, quantized by the learner inside the timed
-exchange), and the up-link bytes of one exchange: as ``send()`` wrote them (header, name, payload) and, as root,
-on the wire: the learner in one network namespace, the shard in another, joined by a veth pair
-(``harness.Network``), the learner's end's ``tx_bytes`` counter read from the DELTA's send to its ACK (TCP/IP
-headers included; the namespaces are removed at the end). The shard runs as its own
-process (``python -m acco_ds.runtime.outer.decoupled.syncer``), as in training. Framing is 76 bytes of header plus
-the tensor's name per message. Writes ``benchmarks/results/decoupled_wire.{json,md}``.
+processes (what ``diloco``'s outer step sends), on loopback, for several model sizes. The exchange runs on the
+ZeroMQ transport with CURVE encryption from a secret file (``--auth-file``), and once without a secret (loopback
+only) to show what encryption costs; with Δ in fp32 and with the int8 up-link (blocks of 256 with error
+feedback, quantized by the learner inside the timed exchange). The up-link bytes of one exchange: the frames as
+sent (header, name, payload) and, as root, on the wire: the learner in one network namespace, the shard in
+another, joined by a veth pair (``harness.Network``), the learner's end's ``tx_bytes`` counter read from the
+DELTA's send to its ACK (TCP/IP and CURVE framing included; the namespaces are removed at the end). The shard
+runs as its own process (``python -m acco_ds.runtime.outer.decoupled.syncer``), as in training. Writes
+``benchmarks/results/decoupled_wire.{json,md}``.
 
     python benchmarks/decoupled_wire.py [--sizes-mb 1 16 64] [--repeats 5]
 """
@@ -29,7 +30,11 @@ import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
-from acco_ds.runtime.outer.decoupled import wire  # noqa: E402
+from acco_ds.runtime.outer.decoupled import transport  # noqa: E402
+from acco_ds.runtime.outer.decoupled.link import Link  # noqa: E402
+
+SETTINGS = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
+                           nesterov_delay=1))
 
 
 def uplink(dtype: str):
@@ -40,82 +45,75 @@ def uplink(dtype: str):
                   OuterCompression(Codec(dtype, 256, ops.load_kernels("auto", torch.device("cpu"))), torch.float32))
 
 
+def start_shard(tmp: str, host: str, auth_file, wrap=lambda cmd: cmd):
+    port_file = os.path.join(tmp, "port")
+    cmd = [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--settings", SETTINGS, "--grace-s", "0",
+           "--host", host, "--port-file", port_file, "--learners", "1"]
+    if auth_file:
+        cmd += ["--auth-file", auth_file]
+    proc = subprocess.Popen(wrap(cmd), env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    while not os.path.exists(port_file):
+        if proc.poll() is not None:
+            raise RuntimeError("the shard exited at start")
+        time.sleep(0.05)
+    return proc, int(open(port_file).read())
+
+
+def exchanges(link: Link, numel: int, dtype: str, repeats: int, counter=None):
+    """HELLO, INIT, then ``repeats`` + 1 exchanges; per exchange (the first warms up) its seconds and the bytes
+    ``counter()`` grew by from the DELTA's send to its ACK."""
+    link.open(30)
+    link.send(link.mine("INIT", name="theta", tensor=torch.zeros(numel)))
+    up, delta, times, counted = uplink(dtype), torch.randn(numel) * 1e-3, [], []
+    for v in range(repeats + 1):
+        t0 = time.perf_counter()
+        before = counter() if counter else 0
+        link.send(up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
+        link.recv("ACK")
+        if counter:
+            counted.append(counter() - before)
+        link.send(link.mine("READY", base=v, tokens=1, steps=1))
+        link.waiting_base = v
+        link.recv_params(numel)
+        if v:
+            times.append(time.perf_counter() - t0)
+    link.done()
+    return times, counted
+
+
 def veth_worker(args) -> None:
-    """Inside the learner's namespace: HELLO, INIT, then ``repeats`` exchanges; per exchange the bytes the veth
-    end sent from the DELTA's send to its ACK (by then the shard has read every byte of it)."""
     counter = Path(f"/sys/class/net/{args.dev}/statistics/tx_bytes")
-    sock = wire.connect((args.host, args.port), 30, "shard")
-    wire.send(sock, wire.Message("HELLO", learner=0, incarnation=1))
-    wire.recv(sock, 1 << 40)
-    wire.send(sock, wire.Message("INIT", learner=0, incarnation=1, name="theta", tensor=torch.zeros(args.numel)))
-    up, delta, out = uplink(args.dtype), torch.randn(args.numel) * 1e-3, []
-    for v in range(args.repeats):
-        before = int(counter.read_text())
-        wire.send(sock, up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
-        wire.expect(wire.recv(sock, 1 << 40), "ACK")
-        out.append(int(counter.read_text()) - before)
-        wire.send(sock, wire.Message("READY", learner=0, incarnation=1, base=v, tokens=1, steps=1))
-        wire.expect(wire.recv(sock, 1 << 40), "PARAMS", "theta", args.numel)
-    wire.send(sock, wire.Message("DONE", learner=0, incarnation=1))
-    sock.close()
-    Path(args.out).write_text(json.dumps(out))
+    link = Link((args.host, args.port), 0, 1, 0, 60, 1 << 40, transport.load_keys(args.auth_file))
+    _, counted = exchanges(link, args.numel, args.dtype, args.repeats, lambda: int(counter.read_text()))
+    Path(args.out).write_text(json.dumps(counted[1:]))
 
 
-def veth_bytes(numel: int, dtype: str, repeats: int):
+def veth_bytes(numel: int, dtype: str, repeats: int, auth_file: str):
     """Median veth bytes of one DELTA (None where namespaces cannot be made: not root)."""
     import harness
     if harness.namespaces_unavailable():
         return None
-    settings = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
-                               nesterov_delay=1))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     with tempfile.TemporaryDirectory(prefix="acco_wire_veth_") as tmp, harness.Network("dw") as net:
-        port_file = os.path.join(tmp, "port")
-        shard = subprocess.Popen(net.wrap(1, [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer",
-                                              "--settings", settings, "--grace-s", "0", "--host", net.addrs[1],
-                                              "--port-file", port_file, "--learners", "1"]),
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        while not os.path.exists(port_file):
-            time.sleep(0.05)
+        shard, port = start_shard(tmp, net.addrs[1], auth_file, lambda cmd: net.wrap(1, cmd))
         out = os.path.join(tmp, "bytes.json")
         subprocess.run(net.wrap(0, [sys.executable, __file__, "--veth-worker", "--numel", str(numel), "--dtype", dtype,
-                                    "--host", net.addrs[1], "--port", open(port_file).read(), "--dev", net.dev[0],
-                                    "--repeats", str(repeats), "--out", out]), env=env, check=True, timeout=600)
+                                    "--host", net.addrs[1], "--port", str(port), "--dev", net.dev[0],
+                                    "--repeats", str(repeats), "--out", out, "--auth-file", auth_file]),
+                       env=env, check=True, timeout=600)
         shard.wait(60)
         return statistics.median(json.loads(Path(out).read_text()))
 
 
-def exchange_times(numel: int, repeats: int, dtype: str = "fp32"):
-    """Seconds of each exchange, and the bytes of one DELTA message (what send() wrote)."""
-    up = uplink(dtype)
-    state = tempfile.mkdtemp(prefix="acco_wire_")
-    settings = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
-                               nesterov_delay=1))
-    port_file = os.path.join(state, "port")
-    proc = subprocess.Popen([sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--settings", settings,
-                             "--grace-s", "0", "--port-file", port_file, "--learners", "1"],
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    while not os.path.exists(port_file):
-        time.sleep(0.05)
-    sock = wire.connect(("127.0.0.1", int(open(port_file).read())), 30, "shard")
-    wire.send(sock, wire.Message("HELLO", learner=0, incarnation=1))
-    wire.recv(sock, 1 << 40)
-    wire.send(sock, wire.Message("INIT", learner=0, incarnation=1, name="theta", tensor=torch.zeros(numel)))
-    delta = torch.randn(numel) * 1e-3
-    times, up_bytes = [], 0
-    for v in range(repeats + 1):
-        t0 = time.perf_counter()
-        up_bytes = wire.send(sock, up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
-        wire.expect(wire.recv(sock, 1 << 40), "ACK")
-        wire.send(sock, wire.Message("READY", learner=0, incarnation=1, base=v, tokens=1, steps=1))
-        wire.expect(wire.recv(sock, 1 << 40), "PARAMS", "theta", numel)
-        if v:  # the first exchange warms up
-            times.append(time.perf_counter() - t0)
-    wire.send(sock, wire.Message("DONE", learner=0, incarnation=1))
-    sock.close()
-    proc.wait(30)
-    return times, up_bytes
+def exchange_times(numel: int, repeats: int, dtype: str = "fp32", auth_file=None):
+    """Seconds of each exchange, and the bytes of one DELTA message (its frames)."""
+    with tempfile.TemporaryDirectory(prefix="acco_wire_") as tmp:
+        proc, port = start_shard(tmp, "127.0.0.1", auth_file)
+        link = Link(("127.0.0.1", port), 0, 1, 0, 60, 1 << 40, transport.load_keys(auth_file))
+        times, _ = exchanges(link, numel, dtype, repeats)
+        proc.wait(30)
+    return times, link.delta_bytes // (repeats + 1)
 
 
 def _allreduce_rank(rank, numel, repeats, port, out):
@@ -156,50 +154,63 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_wire"))
-    for name, kind in (("--numel", int), ("--dtype", str), ("--host", str), ("--port", int), ("--dev", str)):
+    for name, kind in (("--numel", int), ("--dtype", str), ("--host", str), ("--port", int), ("--dev", str),
+                       ("--auth-file", str)):
         ap.add_argument(name, type=kind, help=argparse.SUPPRESS)
     ap.add_argument("--veth-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.veth_worker:
         return veth_worker(args)
+    secret_dir = tempfile.mkdtemp(prefix="acco_wire_secret_")
+    auth = os.path.join(secret_dir, "syncer.key")
+    transport.make_secret(auth)
     rows = []
     for mb in args.sizes_mb:
         numel = int(mb * (1 << 20) / 4)
-        times, fp32_bytes = exchange_times(numel, args.repeats)
-        ex = statistics.median(times)
-        times8, int8_bytes = exchange_times(numel, args.repeats, "int8")
-        ar = statistics.median(allreduce_times(numel, args.repeats))
-        rows.append({"fp32_mb": mb, "exchange_s": ex, "allreduce_s": ar, "ratio": ex / ar,
-                     "exchange_gb_s": 2 * mb / 1024 / ex, "exchange_int8_s": statistics.median(times8),
+        times, fp32_bytes = exchange_times(numel, args.repeats, auth_file=auth)
+        clear, _ = exchange_times(numel, args.repeats)
+        times8, int8_bytes = exchange_times(numel, args.repeats, "int8", auth_file=auth)
+        ex, ar = statistics.median(times), statistics.median(allreduce_times(numel, args.repeats))
+        rows.append({"fp32_mb": mb, "exchange_s": ex, "exchange_clear_s": statistics.median(clear),
+                     "allreduce_s": ar, "ratio": ex / ar, "exchange_gb_s": 2 * mb / 1024 / ex,
+                     "exchange_int8_s": statistics.median(times8),
                      "uplink_bytes_fp32": fp32_bytes, "uplink_bytes_int8": int8_bytes,
-                     "veth_bytes_fp32": veth_bytes(numel, "fp32", args.repeats),
-                     "veth_bytes_int8": veth_bytes(numel, "int8", args.repeats)})
+                     "veth_bytes_fp32": veth_bytes(numel, "fp32", args.repeats, auth),
+                     "veth_bytes_int8": veth_bytes(numel, "int8", args.repeats, auth)})
         print(rows[-1], flush=True)
-    md = [f"# The decoupled wire against a gloo all-reduce\n",
-          f"Command: `python benchmarks/decoupled_wire.py {' '.join(argv or sys.argv[1:])}` "
-          f"({time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, loopback, Python "
-          f"{platform.python_version()}, torch {torch.__version__}. Exchange: Δ up, ACK, READY, θ_g down with the "
-          f"shard's outer step in between (K = 1, no grace window), median of {args.repeats}. All-reduce: gloo, 2 "
-          f"processes, the same fp32 tensor, median of {args.repeats}.\n",
-          "| fp32 tensor (MiB) | exchange (s) | gloo all-reduce, 2 ranks (s) | exchange / all-reduce | exchange GB/s "
-          "(up + down) | exchange, int8 up-link (s) | up-link bytes per exchange, fp32 / int8 (ratio) | on the veth, "
-          "fp32 / int8 (ratio) |",
-          "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['fp32_mb']:g} | {r['exchange_s']:.4f} | {r['allreduce_s']:.4f} | {r['ratio']:.2f} | "
-           f"{r['exchange_gb_s']:.2f} | {r['exchange_int8_s']:.4f} | {r['uplink_bytes_fp32']:,} / "
-           f"{r['uplink_bytes_int8']:,} ({r['uplink_bytes_int8'] / r['uplink_bytes_fp32']:.3f}) | "
-           + (f"{r['veth_bytes_fp32']:,.0f} / {r['veth_bytes_int8']:,.0f} "
-              f"({r['veth_bytes_int8'] / r['veth_bytes_fp32']:.3f}) |" if r["veth_bytes_fp32"] else "(not root) |")
-           for r in rows]
-    md.append("\nThe exchange moves the tensor twice (up and down) and runs the outer step on the shard; an all-reduce "
-              "of 2 ranks moves it about once each way. Framing: 76 bytes of header and the name per message.\n")
-    text = "\n".join(md)
+    os.remove(auth)
+    os.rmdir(secret_dir)
+    text = render(rows, args, argv)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     out.with_suffix(".md").write_text(text)
     return 0
+
+
+def render(rows, args, argv) -> str:
+    md = ["# The decoupled wire against a gloo all-reduce\n",
+          f"Command: `python benchmarks/decoupled_wire.py {' '.join(argv or sys.argv[1:])}` "
+          f"({time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, loopback, Python "
+          f"{platform.python_version()}, torch {torch.__version__}. Exchange: Δ up, ACK, READY, θ_g down with the "
+          f"shard's outer step in between (K = 1, no grace window), on ZeroMQ with CURVE encryption (a secret file), "
+          f"median of {args.repeats}; the same without a secret (NULL mechanism, clear, loopback only). All-reduce: "
+          f"gloo, 2 processes, the same fp32 tensor, median of {args.repeats}.\n",
+          "| fp32 tensor (MiB) | exchange, CURVE (s) | exchange, clear (s) | gloo all-reduce, 2 ranks (s) | "
+          "exchange CURVE / all-reduce | exchange GB/s (up + down) | exchange, int8 up-link, CURVE (s) | up-link "
+          "bytes per exchange, fp32 / int8 (ratio) | on the veth, fp32 / int8 (ratio) |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['fp32_mb']:g} | {r['exchange_s']:.4f} | {r['exchange_clear_s']:.4f} | {r['allreduce_s']:.4f} | "
+           f"{r['ratio']:.2f} | {r['exchange_gb_s']:.2f} | {r['exchange_int8_s']:.4f} | {r['uplink_bytes_fp32']:,} / "
+           f"{r['uplink_bytes_int8']:,} ({r['uplink_bytes_int8'] / r['uplink_bytes_fp32']:.3f}) | "
+           + (f"{r['veth_bytes_fp32']:,.0f} / {r['veth_bytes_int8']:,.0f} "
+              f"({r['veth_bytes_int8'] / r['veth_bytes_fp32']:.3f}) |" if r["veth_bytes_fp32"] else "(not root) |")
+           for r in rows]
+    md.append("\nThe exchange moves the tensor twice (up and down) and runs the outer step on the shard; an "
+              "all-reduce of 2 ranks moves it about once each way. Framing: an 84-byte header frame with the name per "
+              "message, then the payload frame.\n")
+    return "\n".join(md)
 
 
 if __name__ == "__main__":

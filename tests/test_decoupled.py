@@ -123,7 +123,7 @@ def test_a_quantized_up_link_and_overlapping_learners_match_the_simulator(tmp_pa
     for rank in range(4):
         r = results[rank][0]
         assert r["stats"]["uplink"] == "int8 blocks of 16" and r["stats"]["merges"] == STEPS // H
-        assert r["stats"]["delta_bytes"] == STEPS // H * (76 + len("delta") + 4 * -(-P // 16) + P)
+        assert r["stats"]["delta_bytes"] == STEPS // H * (84 + len("delta") + 4 * -(-P // 16) + P)
         assert_matches_quantized(r["committed"], [sim["versions"][(t + 1) // H] for t in range(STEPS)])
     plain = simulate_decoupled(common.make_model(0), common.loss_fn, common.micro_batch, learners=2, group_size=2,
                                gradient_accumulation_steps=GAS, sync_every=H, periods=STEPS // H, min_quorum=2,

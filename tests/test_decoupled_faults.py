@@ -23,7 +23,8 @@ GAS, H = 2, 2
 
 def block(state_dir, **keys):
     return {"mode": "decoupled", "local_sgd": {"sync_every": H, "grace_s": 0,
-                                               "syncer": {"state_dir": str(state_dir), "timeout_s": 30}, **keys}}
+                                               "syncer": {"state_dir": str(state_dir), "timeout_s": 30,
+                                                                          "liveness_s": 2}, **keys}}
 
 
 def merges(state_dir):

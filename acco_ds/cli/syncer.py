@@ -1,13 +1,17 @@
 """``acco-ds syncer``: run the syncer of ``"mode": "decoupled"`` for learners launched on their own (one
 ``deepspeed`` launch per learner, each naming ``acco.local_sgd.syncer.address``).
 
-    acco-ds syncer --config ds_config.json --shards 2 --port 29600 --state-dir /ckpt/syncer [--learners 3]
+    acco-ds syncer --make-secret /etc/acco/syncer.key          # once: 32 random bytes, owner-only
+    acco-ds syncer --config ds_config.json --shards 2 --port 29600 --host 0.0.0.0 \\
+        --auth-file /etc/acco/syncer.key --state-dir /ckpt/syncer --learners 3
 
 Shard j (one CPU process each) listens on port + j and serves rank j of every learner; shard 0 decides the
 merges. The outer settings (outer_lr, outer_momentum, nesterov, min_quorum, grace_s, merge, staleness,
-nesterov_delay) come from the config's ``acco`` block, as the learners read it. With ``--state-dir`` every
-shard checkpoints after every merge, and running the command again on the same folder resumes. It stops once
-``--learners`` learners are done (default: on Ctrl-C).
+nesterov_delay, liveness_s) come from the config's ``acco`` block, as the learners read it. With ``--auth-file``
+(or ``acco.local_sgd.syncer.auth_file``) every peer proves it holds the secret and all traffic is encrypted
+(CURVE); without one the syncer binds loopback only. With ``--state-dir`` every shard checkpoints after every
+merge, and running the command again on the same folder resumes. With ``--learners M`` no merge happens before M
+learners have joined, and the syncer stops once M are done (default: it runs until Ctrl-C).
 """
 
 import argparse
@@ -27,26 +31,74 @@ def settings_from(config_path: str) -> dict:
     if acco.mode != "decoupled":
         raise SystemExit(f'acco-ds syncer: {config_path} has acco.mode "{acco.mode}"; the syncer serves mode '
                          f'"decoupled"')
-    ls = acco.local_sgd
+    from ..config.local_sgd import LocalSGDConfig
+    ls = acco.local_sgd or LocalSGDConfig()  # every key at its default
     out = {k: acco.outer[k] for k in ("outer_lr", "outer_momentum", "nesterov")}
     out.update(merge=ls.merge, staleness=ls.staleness, nesterov_delay=ls.nesterov_delay)
     syncer = ls.syncer
     return {"settings": out, "min_quorum": ls.min_quorum, "grace_s": ls.grace_s,
             "state_dir": syncer.state_dir if syncer else None, "timeout_s": syncer.timeout_s if syncer else 120.0,
-            "max_message_mb": syncer.max_message_mb if syncer else 4096.0}
+            "max_message_mb": syncer.max_message_mb if syncer else 4096.0,
+            "liveness_s": syncer.liveness_s if syncer else 10.0, "auth_file": syncer.auth_file if syncer else None}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="acco-ds syncer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--make-secret", metavar="PATH", help="write a new secret (32 random bytes, mode 600) and exit")
+    ap.add_argument("--config", help="the learners' DeepSpeed config (its acco block)")
+    ap.add_argument("--shards", type=int, help="ranks per learner (replica_group_size)")
+    ap.add_argument("--port", type=int, help="shard j listens on port + j")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; any other needs "
+                                                        "--auth-file)")
+    ap.add_argument("--auth-file", default=None, help="the secret (default: acco.local_sgd.syncer.auth_file)")
+    ap.add_argument("--state-dir", default=None, help="checkpoint folder (default: acco.local_sgd.syncer.state_dir)")
+    ap.add_argument("--learners", type=int, default=None, help="M: no merge before M learners joined; stop once "
+                                                               "M are done")
+    ap.add_argument("--max-learners", type=int, default=None, help="refuse learners beyond this many")
+    ap.add_argument("--max-connections", type=int, default=1024, help="connections each shard admits")
+    return ap
+
+
+def shard_cmd(args, s, j: int, state_dir: str, auth_file) -> list:
+    leader = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    cmd = [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--index", str(j), "--host", args.host,
+           "--port", str(args.port + j), "--settings", json.dumps(s["settings"]),
+           "--min-quorum", str(s["min_quorum"]), "--grace-s", str(s["grace_s"]), "--state-dir", state_dir,
+           "--timeout-s", str(s["timeout_s"]), "--max-message-mb", str(s["max_message_mb"]),
+           "--liveness-s", str(s["liveness_s"]), "--max-connections", str(args.max_connections)]
+    for flag, value in (("--learners", args.learners), ("--max-learners", args.max_learners),
+                        ("--auth-file", auth_file)):
+        if value:
+            cmd += [flag, str(value)]
+    if j:
+        cmd += ["--leader", f"{leader}:{args.port}"]
+    return cmd
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="acco-ds syncer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="the learners' DeepSpeed config (its acco block)")
-    ap.add_argument("--shards", type=int, required=True, help="ranks per learner (replica_group_size)")
-    ap.add_argument("--port", type=int, required=True, help="shard j listens on port + j")
-    ap.add_argument("--host", default="0.0.0.0", help="address to bind (default: every interface)")
-    ap.add_argument("--state-dir", default=None, help="checkpoint folder (default: acco.local_sgd.syncer.state_dir)")
-    ap.add_argument("--learners", type=int, default=None, help="stop once this many learners are done")
-    args = ap.parse_args(argv)
+    from ..runtime.outer.decoupled import transport
+    args = parser().parse_args(argv)
+    if args.make_secret:
+        try:
+            transport.make_secret(args.make_secret)
+        except FileExistsError:
+            raise SystemExit(f"acco-ds syncer: {args.make_secret} exists; remove it first or choose another path")
+        print(f"[acco_ds] syncer: wrote a new secret to {args.make_secret} (mode 600); give it to the syncer "
+              f"(--auth-file) and the learners (acco.local_sgd.syncer.auth_file)")
+        return 0
+    if not (args.config and args.shards and args.port):
+        raise SystemExit("acco-ds syncer: --config, --shards and --port are needed (or --make-secret PATH)")
     s = settings_from(args.config)
+    auth_file = args.auth_file or s["auth_file"]
+    if auth_file is None and not transport.is_loopback(args.host):
+        raise SystemExit(f"acco-ds syncer: --host {args.host} is not loopback: give --auth-file PATH (a secret the "
+                         f"learners share; acco-ds syncer --make-secret PATH writes one), or bind 127.0.0.1")
+    if auth_file is not None:
+        try:
+            transport.check_secret_file(auth_file)
+        except ValueError as err:
+            raise SystemExit(f"acco-ds syncer: {err}")
     state_dir = args.state_dir or s["state_dir"] or tempfile.mkdtemp(prefix="acco_syncer_")
     os.makedirs(state_dir, exist_ok=True)
     if s["settings"]["nesterov_delay"] is None:  # Delayed Nesterov's N defaults to the number of learners
@@ -55,21 +107,12 @@ def main(argv=None) -> int:
                              'acco.local_sgd.nesterov_delay in the config, or pass --learners')
         s["settings"]["nesterov_delay"] = args.learners or 1
     procs = []
-    leader = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     for j in range(args.shards):
-        cmd = [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--index", str(j), "--host", args.host,
-               "--port", str(args.port + j), "--settings", json.dumps(s["settings"]),
-               "--min-quorum", str(s["min_quorum"]), "--grace-s", str(s["grace_s"]), "--state-dir", state_dir,
-               "--timeout-s", str(s["timeout_s"]), "--max-message-mb", str(s["max_message_mb"])]
-        if args.learners:
-            cmd += ["--learners", str(args.learners)]
-        if j:
-            cmd += ["--leader", f"{leader}:{args.port}"]
-        procs.append(subprocess.Popen(cmd))
+        procs.append(subprocess.Popen(shard_cmd(args, s, j, state_dir, auth_file)))
         if j == 0:
             time.sleep(0.5)  # shard 0 listens before the others follow it (they retry anyway)
     print(f"[acco_ds] syncer: {args.shards} shard(s) on {args.host}:{args.port}..{args.port + args.shards - 1}, "
-          f"state in {state_dir}", flush=True)
+          f"{'encrypted (CURVE)' if auth_file else 'no secret (loopback)'}, state in {state_dir}", flush=True)
 
     def stop(*_):
         for p in procs:

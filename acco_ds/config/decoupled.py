@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 DECOUPLED = "decoupled"
 # local_sgd keys that only mode "decoupled" reads.
-DECOUPLED_ONLY = ("sync_every_s", "min_quorum", "grace_s", "merge", "staleness", "nesterov_delay", "adopt", "syncer")
+DECOUPLED_ONLY = ("sync_every_s", "min_quorum", "grace_s", "merge", "staleness", "nesterov_delay", "adopt", "syncer",
+                  "tokens_per_step")
 # local_sgd keys of other modes that mean nothing to the syncer.
 NOT_DECOUPLED = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "staleness_penalty",
                  "outer_momentum_clip", "chunk", "topk", "error_decay", "value_bits", "sync_time_s",
@@ -45,8 +46,20 @@ class SyncerConfig(_Block):
     it to that node's address when learners run on other nodes."""
 
     max_message_mb: float = Field(4096.0, gt=0.0, allow_inf_nan=False)
-    """Largest tensor payload a shard or a learner accepts in one message (MiB); a larger header is refused
-    before anything is read into memory."""
+    """Largest tensor payload a shard or a learner accepts in one message (MiB); ZeroMQ refuses a larger frame
+    before it allocates it."""
+
+    auth_file: Optional[str] = None
+    """Path of the secret shared by the learners and ``acco-ds syncer --auth-file``: a file of at least 32 random
+    bytes readable by its owner only (``acco-ds syncer --make-secret PATH`` writes one). Every learner rank and
+    every shard proves it holds it (CURVE keys derived from it) before a message of theirs is read, and all traffic
+    is encrypted. Needed when the syncer listens off loopback. Left out with the launch's own shards: the launch
+    makes a secret of its own."""
+
+    liveness_s: float = Field(10.0, gt=0.0, allow_inf_nan=False)
+    """Seconds of silence after which shard 0 takes a learner out of the quorum (its pseudo-gradient in flight is
+    dropped, so nobody waits for a stopped or hung learner); it is back in as soon as it speaks again. A learner's
+    rank 0 pings shard 0 four times per ``liveness_s`` while it trains."""
 
 
 class DecoupledKeys(_Block):
@@ -84,6 +97,12 @@ class DecoupledKeys(_Block):
     the merge at the first inner-step boundary after it arrived, keeping the progress made since the send
     (weights ← global model + that progress); its next period ends once it is long enough and that merge is
     adopted, so it never waits for a merge."""
+
+    tokens_per_step: Optional[StrictInt] = Field(None, ge=1)
+    """``decoupled`` only: the tokens one inner step of this learner trains on (micro-batch × sequence length ×
+    gradient accumulation × ranks), declared to the syncer when the learner joins; a pseudo-gradient weighs
+    ``tokens_per_step`` × its inner steps (``merge: "tokens"``), and the syncer refuses one that claims more.
+    Default: 1 (weights by inner steps: right when every learner trains on the same batch per step)."""
 
     syncer: Optional[SyncerConfig] = None
     """``decoupled`` only: where its syncer runs (default: the launch starts its own shards); see

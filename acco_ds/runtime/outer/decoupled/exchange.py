@@ -47,8 +47,9 @@ class Exchange:
         """Send the in-flight Δ: one rank sends DELTA then READY; k ranks send DELTA, wait for the ACK, agree that
         every slice is held, and rank 0 says READY. A connection that fails marks the Δ for a re-send."""
         f, link = self.inflight, self.link
-        ready = link.mine("READY", version=f["msg"].version, base=f["base"], tokens=f["steps"], steps=f["steps"])
+        ready = link.mine("READY", version=f["msg"].version, base=f["base"], tokens=f["msg"].tokens, steps=f["steps"])
         f["broken"] = None
+        link.waiting_base = f["base"]  # its PINGs ask whether the shard still holds this Δ
         t0 = time.perf_counter()
         try:
             link.send(f["msg"])

@@ -32,7 +32,7 @@ from ....config.decoupled import check_decoupled_layout
 from ..base import LocalSGD
 from . import wire
 from .exchange import Exchange
-from .link import Link, Uplink
+from .link import Heartbeat, Link, Uplink
 from .own_shards import shard_address
 
 
@@ -73,7 +73,10 @@ class DecoupledLearner(Exchange, LocalSGD):
         self.longest: dict = {}  # those phases within the longest pause
         self.numel = sum(m.numel() for m in shards.masters)
         self.address = shard_address(self)
-        self.link = Link(self.address, self.learner, self.incarnation, groups.shard, self.timeout_s, max_bytes)
+        self.tokens_per_step = ls.tokens_per_step or 1
+        self.link = Link(self.address, self.learner, self.incarnation, groups.shard, self.timeout_s, max_bytes,
+                         self.keys, self.tokens_per_step)
+        self.heartbeat = None
 
     # ------------------------------------------------------------------ layout
     def _learner_id(self) -> int:
@@ -111,6 +114,9 @@ class DecoupledLearner(Exchange, LocalSGD):
         if self.link.open(self.timeout_s) == wire.NO_VERSION:
             self.link.send(self.link.mine("INIT", name="theta", tensor=self._flat(self.shards.masters)))
         self.link.send(self.link.mine("GET"))
+        if self.groups.shard == 0 and self.heartbeat is None:
+            self.heartbeat = Heartbeat(self.link)
+            self.heartbeat.start()
         msg = self._get_agreed(self.link.recv("PARAMS", "theta", self.numel), time.monotonic() + self.timeout_s)
         self._unflat_into(msg.tensor, self.shards.masters)
         self._unflat_into(msg.tensor, self.anchor)
@@ -150,7 +156,9 @@ class DecoupledLearner(Exchange, LocalSGD):
         self.version = msg.version
         self.merges += 1
         self.adopted_after = self.steps_since_send
+        self.link.retained, self.link.adopted = f["msg"], msg.version  # a shard that lost this merge redoes it
         self.inflight = None
+        self.link.waiting_base = None
 
     def _install(self, shards) -> None:
         """As ``LocalSGD``'s; a learner of one rank copies its masters into the bit16 flats without a
@@ -187,7 +195,7 @@ class DecoupledLearner(Exchange, LocalSGD):
             self._await()
         delta = torch.cat([(a - m).reshape(-1).float() for a, m in zip(self.anchor, self.shards.masters)])
         fields = dict(learner=self.learner, incarnation=self.incarnation, version=self.adopted_after,
-                      base=self.version, tokens=sync.steps, steps=sync.steps)
+                      base=self.version, tokens=sync.steps * self.tokens_per_step, steps=sync.steps)
         self.inflight = {"msg": self.uplink.message(delta, **fields), "base": self.version, "steps": sync.steps,
                          "sent": self._flat(self.shards.masters) if self.overlap else None, "params": None}
         self.steps_since_send = 0
@@ -263,12 +271,11 @@ class DecoupledLearner(Exchange, LocalSGD):
             self.version = int(sd["decoupled"]["version"])
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         if self.link.sock is not None:
-            try:
-                self.link.send(self.link.mine("DONE"))
-            except OSError:
-                pass
-            self.link.close()
+            self.link.done()
         super().close()
 
 

@@ -1,11 +1,17 @@
 """The syncer shards a ``deepspeed`` launch of ``"mode": "decoupled"`` starts for itself: the ranks of learner 0
 start them (rank j starts shard j, shard 0 first: the others follow it), and every rank learns every port
 through two small all-reduces at start-up. A shard is a CPU process of its own session, so the crash of the rank
-that started it does not end it; it stops once every learner is done, or once no learner has been connected for
-``IDLE_EXIT_S`` seconds (learners that died)."""
+that started it does not end it; it stops once every learner is done, or once no learner has been heard from for
+``IDLE_EXIT_S`` seconds (learners that died).
+
+Without ``syncer.auth_file`` the launch makes a secret for itself: rank 0 draws 32 random bytes and every rank
+receives them in one all-reduce (they never touch a disk but for the moment a shard reads them from an owner-only
+file that it then deletes), so the launch's shards admit the launch's learners only, encrypted, whatever
+``syncer.host`` is."""
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -15,18 +21,23 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as tdist
 
-from . import wire
+from . import transport, wire
 
 IDLE_EXIT_S = 10.0
+KEY = "acco.local_sgd.syncer.auth_file"
 
 
 def shard_address(loop) -> Tuple[str, int]:
     """``(host, port)`` of this rank's shard j: ``syncer.address`` + j, or a shard of the launch's own."""
     cfg, groups = loop.syncer_config, loop.groups
     j = groups.shard
+    auth_file = cfg.auth_file if cfg is not None else None
     if cfg is not None and cfg.address:
         host, port = wire.split_address(cfg.address)
+        loop.keys = transport.load_keys(auth_file, KEY)
         return (host, port + j)
+    loop.secret = None if auth_file else launch_secret(loop)
+    loop.keys = transport.load_keys(auth_file, KEY) if auth_file else transport.Keys(loop.secret)
     host = cfg.host if cfg is not None else "127.0.0.1"
     state_dir = (cfg.state_dir if cfg is not None else None) or tempfile.mkdtemp(prefix="acco_syncer_")
     mine = groups.replica == 0
@@ -42,6 +53,27 @@ def shard_address(loop) -> Tuple[str, int]:
         tdist.all_reduce(rest)
         ports[1:] = rest[1:]
     return (host, int(ports[j]))
+
+
+def launch_secret(loop) -> bytes:
+    """32 random bytes drawn by rank 0 of learner 0, the same on every rank (one all-reduce)."""
+    first = loop.groups.replica == 0 and loop.groups.shard == 0
+    draw = secrets.token_bytes(transport.MIN_SECRET) if first else bytes(transport.MIN_SECRET)
+    t = torch.tensor(list(draw), dtype=torch.int64, device=loop.shards.device)
+    tdist.all_reduce(t)
+    return bytes(int(v) for v in t.tolist())
+
+
+def secret_file(loop) -> tuple:
+    """The ``--auth-file`` arguments of a shard: the configured file, or the launch's secret in an owner-only file
+    that the shard deletes once read."""
+    auth_file = loop.syncer_config.auth_file if loop.syncer_config is not None else None
+    if auth_file:
+        return ["--auth-file", auth_file]
+    fd, path = tempfile.mkstemp(prefix="acco_syncer_secret_")  # mode 0600
+    with os.fdopen(fd, "wb") as f:
+        f.write(loop.secret)
+    return ["--auth-file", path, "--remove-auth-file"]
 
 
 def spawn(loop, j: int, host: str, leader: Optional[str], state_dir: str) -> int:
@@ -61,7 +93,9 @@ def spawn(loop, j: int, host: str, leader: Optional[str], state_dir: str) -> int
     if leader:
         cmd += ["--leader", leader]
     if loop.syncer_config is not None:
-        cmd += ["--max-message-mb", str(loop.syncer_config.max_message_mb)]
+        cmd += ["--max-message-mb", str(loop.syncer_config.max_message_mb),
+                "--liveness-s", str(loop.syncer_config.liveness_s)]
+    cmd += secret_file(loop)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     log = open(os.path.join(state_dir, f"shard{j}.log"), "a")

@@ -32,16 +32,20 @@ class ShardState:
         self.version = 0
 
     def mean(self, deltas: List[torch.Tensor], tokens: List[int]) -> torch.Tensor:
-        """Σ w Δ / Σ w; equal weights (merge "equal", or equal tokens) sum then divide, as an all-reduce does."""
-        out = deltas[0].clone()
+        """Σ w Δ / Σ w; equal weights (merge "equal", or equal tokens) sum then divide, as an all-reduce does.
+        Unequal weights are applied in float64 (a weight of up to 2^64 tokens stays exact enough)."""
+        if len(deltas) == 1:
+            return deltas[0]  # read only below: a Δ received without a copy stays so
         if self.merge == "equal" or len(set(tokens)) == 1:
+            out = deltas[0].clone()
             for d in deltas[1:]:
                 out += d
             return out.div_(len(deltas))
-        out.mul_(float(tokens[0]))
-        for d, t in zip(deltas[1:], tokens[1:]):
-            out.add_(d, alpha=float(t))
-        return out.div_(float(sum(tokens)))
+        total = float(sum(int(t) for t in tokens))
+        out = torch.zeros(deltas[0].shape, dtype=torch.float64)
+        for d, t in zip(deltas, tokens):
+            out.add_(d, alpha=float(t) / total)
+        return out.to(torch.float32)
 
     @torch.no_grad()
     def step(self, mean: torch.Tensor) -> None:

@@ -1,49 +1,42 @@
-"""The wire of ``"mode": "decoupled"``: one TCP connection per learner rank and syncer shard, one fixed header per
-message, raw tensor bytes after it. Nothing received is unpickled.
+"""The messages of ``"mode": "decoupled"``: what a learner rank and a syncer shard say to each other, as ZeroMQ
+frames (``transport`` carries them: CURVE encryption, heartbeats, high-water marks, a size limit per frame).
+Nothing received is unpickled, and no float travels inside a structure: a message is one header frame and, when
+it carries a tensor, one frame of the tensor's raw bytes (sent and received without a copy in Python).
 
-Why plain sockets rather than torch.distributed or gloo groups: a learner comes and goes on its own, and a
-gloo group has a fixed membership fixed at its rendezvous; a peer that dies poisons it (every later
-collective fails until the whole group is rebuilt; torchrun cannot even re-create a gloo job in this stack),
-so one group per learner-shard pair would need a store, a rendezvous and a rebuild per relaunch, and its
-failures surface as timeouts. A socket per pair is what such a pair group is underneath, without the
-rendezvous: a dead learner is an EOF at once, a relaunched one simply connects again, and the receiver sees
-every byte before it believes it. The header is parsed with ``struct``; the payload becomes a tensor through
-a tensor of the exact size the header announced (read straight into its memory), after every field was
-checked.
+Header frame (little-endian, ``HEADER.size`` = 84 bytes), then ``name_len`` bytes of name in the same frame::
 
-Header (little-endian, ``HEADER.size`` = 76 bytes), then ``name_len`` bytes of name, then ``payload`` bytes::
+    magic "ACDZ" | protocol u16 | kind u16 | learner u32 | incarnation u64 | version u64 | base u64 |
+    tokens u64 | steps u32 | dtype u8 | ndim u8 | name_len u16 | shape 2 x u64 | payload u64 | boot u64
 
-    magic "ACDL" | protocol u16 | kind u16 | learner u32 | incarnation u64 | version u64 | base u64 |
-    tokens u64 | steps u32 | dtype u8 | ndim u8 | name_len u16 | shape 2 x u64 | payload u64
+``boot`` is the sending shard's start (a random number per process): a learner that sees it change knows the
+shard restarted. A block-quantized tensor (dtype ``int8`` or ``fp8``: a compressed pseudo-gradient) travels as
+shape ``[n, B]``: ``n`` values in blocks of ``B`` elements, its payload the ``ceil(n / B)`` fp32 block scales then
+the ``n`` one-byte values (``ops.reference.quantize_pack``'s format), exactly ``4 ceil(n / B) + n`` bytes.
 
-A block-quantized tensor (dtype ``int8`` or ``fp8``: a compressed pseudo-gradient) travels as shape ``[n, B]``:
-``n`` values in blocks of ``B`` elements, its payload the ``ceil(n / B)`` fp32 block scales and then the ``n``
-one-byte values (``ops.reference.quantize_pack``'s format), exactly ``4 ceil(n / B) + n`` bytes.
-
-A message that breaks a rule raises ``WireError`` naming the field and the rule; the receiver then drops the
-connection and changes nothing.
+Every field is checked before the payload is looked at; the payload frame must be exactly as long as the header
+says. ZeroMQ itself refuses a frame above ``ZMQ_MAXMSGSIZE`` before it allocates it (``transport``). A message that
+breaks a rule raises ``WireError`` naming the field and the rule; the receiver answers ERROR and changes nothing.
 """
 
-import socket
 import struct
-import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ....ops.reference import dequantize_accumulate, num_blocks
 
-MAGIC = b"ACDL"
-PROTOCOL = 1
-HEADER = struct.Struct("<4sHHIQQQQIBBH2QQ")
+MAGIC = b"ACDZ"
+PROTOCOL = 2
+HEADER = struct.Struct("<4sHHIQQQQIBBH2QQQ")
 NO_VERSION = (1 << 64) - 1  # an empty syncer (no model yet)
 MAX_NAME = 64
-NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
+NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
 
 KINDS = {
-    1: "HELLO",  # learner -> shard: learner id, incarnation; the shard answers STATE
-    2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet)
+    1: "HELLO",  # learner -> shard: learner id, incarnation, tokens per inner step (``tokens``); answered STATE
+    2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet), liveness_s in ms (``tokens``)
     3: "INIT",  # learner -> shard: "theta", the starting weights of an empty syncer
     4: "GET",  # learner -> shard: send the current θ_g
     5: "PARAMS",  # shard -> learner: "theta" of ``version``
@@ -52,20 +45,28 @@ KINDS = {
     7: "ACK",  # shard -> learner: the Δ is held
     8: "READY",  # learner rank 0 -> shard 0: every rank's Δ is held, the learner is pending
     9: "DONE",  # learner -> shard: finished for good
-    10: "FOLLOW",  # shard j -> shard 0: shard j takes merge decisions from here
+    10: "FOLLOW",  # shard j -> shard 0: shard j takes merge decisions from version ``version`` + 1 on
     11: "MERGE",  # shard 0 -> shard j: "learners" (int64 pairs learner, incarnation) make ``version``
     12: "DROP",  # shard 0 -> shard j: forget the Δ of (learner, incarnation)
-    13: "ERROR",  # either way: "text" (utf-8) saying why the connection is dropped
+    13: "ERROR",  # either way: "text" (utf-8) saying why the message was refused
+    14: "PING",  # learner -> shard: alive; ``base``: the base of its Δ in flight (or NO_VERSION)
+    15: "PONG",  # shard -> learner: ``version``; ``steps``: that Δ is HELD (0), MERGED (1) or LOST (2)
 }
 KIND = {name: code for code, name in KINDS.items()}
+HELD, MERGED, LOST = 0, 1, 2
 
 DTYPES = {0: None, 1: torch.float32, 2: torch.float64, 3: torch.int64, 4: torch.uint8, 5: torch.bfloat16,
           6: torch.float16}
 DTYPE_CODE = {dt: code for code, dt in DTYPES.items() if dt is not None}
+ITEMSIZE = {code: torch.empty((), dtype=dt).element_size() for code, dt in DTYPES.items() if dt is not None}
 QUANTIZED = {7: "int8", 8: "fp8"}  # block-quantized: shape [n, B], payload 4 ceil(n / B) scale bytes + n values
 QUANTIZED_CODE = {name: code for code, name in QUANTIZED.items()}
 QUANT_WIRE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 20  # compression.block_size's bounds
+# A payload travels in frames of this many bytes: with CURVE each frame is encrypted and authenticated on its
+# own, so the receiver decrypts frame k while the sender encrypts frame k + 1 (a single frame could only be opened
+# once all of it had arrived).
+CHUNK = 8 << 20
 
 
 class WireError(ValueError):
@@ -81,7 +82,7 @@ class Refused(ConnectionError):
 
 
 class Closed(ConnectionError):
-    """The peer closed the connection (at a message boundary or inside one)."""
+    """The peer is gone or restarted (no answer in time, or a new ``boot``)."""
 
 
 @dataclass
@@ -96,125 +97,145 @@ class Message:
     name: str = ""
     tensor: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)
+    boot: int = 0
 
     @property
     def text(self) -> str:
         return bytes(self.tensor.numpy()).decode("utf-8", "replace") if self.tensor is not None else ""
 
 
-def encode(msg: Message) -> Tuple[bytes, memoryview]:
-    """The header (with the name) and the payload of ``msg``."""
-    t = msg.tensor
-    name = msg.name.encode("ascii")
+def _payload(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def encode(msg: Message) -> List:
+    """The frames of ``msg``: the header (with the name) and, if it carries a tensor, its raw bytes."""
+    t, name = msg.tensor, msg.name.encode("ascii")
     quant = msg.extra.get("quantized")
     if quant is not None:  # raw scales + values: the shape says how many values in blocks of how many
-        payload = memoryview(t.contiguous().numpy()).cast("B")
-        head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.incarnation, msg.version, msg.base,
-                           msg.tokens, msg.steps, QUANTIZED_CODE[quant], 2, len(name), msg.extra["numel"],
-                           msg.extra["block"], payload.nbytes)
-        return head + name, payload
-    if t is None:
-        dtype, shape, payload = 0, (), memoryview(b"")
+        payload = _payload(t.contiguous())
+        dtype, ndim, dims = QUANTIZED_CODE[quant], 2, (msg.extra["numel"], msg.extra["block"])
+    elif t is None:
+        dtype, ndim, dims, payload = 0, 0, (0, 0), None
     else:
         if t.dim() > 2:
             raise WireError("shape", f"{t.dim()} dimensions, at most 2 travel")
         t = t.detach().contiguous().cpu()
-        dtype, shape = DTYPE_CODE[t.dtype], tuple(t.shape)
-        payload = memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
-    dims = list(shape) + [0] * (2 - len(shape))
-    head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.incarnation, msg.version, msg.base, msg.tokens,
-                       msg.steps, dtype, len(shape), len(name), *dims, payload.nbytes)
-    return head + name, payload
+        dtype, ndim = DTYPE_CODE[t.dtype], t.dim()
+        dims = tuple(t.shape) + (0,) * (2 - t.dim())
+        payload = _payload(t)
+    nbytes = 0 if payload is None else payload.nbytes
+    head = HEADER.pack(MAGIC, PROTOCOL, KIND[msg.kind], msg.learner, msg.incarnation, msg.version, msg.base,
+                       msg.tokens, msg.steps, dtype, ndim, len(name), *dims, nbytes, msg.boot) + name
+    if payload is None:
+        return [head]
+    return [head] + [payload[i:i + CHUNK] for i in range(0, nbytes, CHUNK)] if nbytes else [head, payload]
 
 
-def send(sock: socket.socket, msg: Message) -> int:
-    """Send ``msg``; returns the bytes written."""
-    head, payload = encode(msg)
-    sock.sendall(head)
-    if payload.nbytes:
-        sock.sendall(payload)
-    return len(head) + payload.nbytes
+def size(frames) -> int:
+    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
 
 
-def _read_exact(sock: socket.socket, n: int, into: Optional[memoryview] = None) -> memoryview:
-    buf = into if into is not None else memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        k = sock.recv_into(buf[got:], n - got)
-        if k == 0:
-            raise Closed("the peer closed the connection" + (" inside a message" if got or into is not None else ""))
-        got += k
-    return buf
+def _check_quantized(ndim, d0, d1, payload, dtype) -> None:
+    if ndim != 2 or not MIN_BLOCK <= d1 <= MAX_BLOCK:
+        raise WireError("shape", f"a block-quantized tensor travels as [values, block size] with a block size of "
+                                 f"{MIN_BLOCK} to {MAX_BLOCK}, got ndim={ndim} shape {[d0, d1]}")
+    want = 4 * num_blocks(d0, d1) + d0
+    if payload != want:
+        raise WireError("payload", f"{payload} bytes announced, but {d0} {QUANTIZED[dtype]} values in blocks of "
+                                   f"{d1} are {want} bytes (fp32 scales, then one byte per value)")
 
 
 def parse_header(raw: bytes, max_bytes: int) -> dict:
-    """Check every field of a header; returns them. Raises ``WireError`` naming the first bad field."""
+    """Check every field of a header frame (the struct and the name after it); returns them. Raises
+    ``WireError`` naming the first bad field."""
+    if len(raw) < HEADER.size:
+        raise WireError("header", f"{len(raw)} bytes, a header is {HEADER.size}")
     (magic, protocol, kind, learner, incarnation, version, base, tokens, steps, dtype, ndim, name_len, d0, d1,
-     payload) = HEADER.unpack(raw)
+     payload, boot) = HEADER.unpack_from(raw)
     if magic != MAGIC:
-        raise WireError("magic", f"{magic!r} is not {MAGIC!r}: not an acco_ds decoupled message")
+        raise WireError("magic", f"{bytes(magic)!r} is not {MAGIC!r}: not an acco_ds decoupled message")
     if protocol != PROTOCOL:
         raise WireError("protocol", f"version {protocol}, this side speaks {PROTOCOL}: run the same acco_ds on both")
     if kind not in KINDS:
         raise WireError("kind", f"{kind} is not a message kind")
+    if name_len > MAX_NAME or len(raw) != HEADER.size + name_len:
+        raise WireError("name", f"{name_len} bytes announced (at most {MAX_NAME}), the frame holds "
+                                f"{len(raw) - HEADER.size}")
+    name = bytes(raw[HEADER.size:])
+    if any(c not in NAME_CHARS for c in name):
+        raise WireError("name", f"{name!r} holds characters outside [A-Za-z0-9_.]")
+    out = dict(kind=KINDS[kind], learner=learner, incarnation=incarnation, version=version, base=base, tokens=tokens,
+               steps=steps, name=name.decode("ascii"), payload=payload, boot=boot)
     if dtype in QUANTIZED:
-        if ndim != 2 or not MIN_BLOCK <= d1 <= MAX_BLOCK:
-            raise WireError("shape", f"a block-quantized tensor travels as [values, block size] with a block size "
-                                     f"of {MIN_BLOCK} to {MAX_BLOCK}, got ndim={ndim} shape {[d0, d1]}")
-        want = 4 * num_blocks(d0, d1) + d0
-        if payload != want:
-            raise WireError("payload", f"{payload} bytes announced, but {d0} {QUANTIZED[dtype]} values in blocks of "
-                                       f"{d1} are {want} bytes (fp32 scales, then one byte per value)")
-        if payload > max_bytes:
-            raise WireError("payload", f"{payload} bytes, above the limit of {max_bytes} bytes "
-                                       f"(syncer.max_message_mb)")
-        if name_len > MAX_NAME:
-            raise WireError("name", f"{name_len} bytes, at most {MAX_NAME}")
-        return dict(kind=KINDS[kind], learner=learner, incarnation=incarnation, version=version, base=base,
-                    tokens=tokens, steps=steps, dtype=torch.uint8, shape=(payload,), name_len=name_len,
-                    payload=payload, quantized=QUANTIZED[dtype], numel=d0, block=d1)
-    if dtype not in DTYPES:
-        raise WireError("dtype", f"code {dtype} is not a known dtype")
-    if ndim > 2:
-        raise WireError("ndim", f"{ndim} dimensions, at most 2 travel")
-    if name_len > MAX_NAME:
-        raise WireError("name", f"{name_len} bytes, at most {MAX_NAME}")
-    dims = (d0, d1)[:ndim]
-    if any(d for d in (d0, d1)[ndim:]):
-        raise WireError("shape", f"dimensions beyond ndim={ndim} are not zero")
-    if DTYPES[dtype] is None:
-        if ndim or payload:
-            raise WireError("payload", "a message without a tensor carries no shape and no payload")
+        _check_quantized(ndim, d0, d1, payload, dtype)
+        out.update(dtype=torch.uint8, shape=(payload,), quantized=QUANTIZED[dtype], numel=d0, block=d1)
     else:
-        numel = 1
-        for d in dims:
-            numel *= d
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        if numel * itemsize != payload:
-            raise WireError("payload", f"{payload} bytes announced, but shape {list(dims)} of "
-                                       f"{DTYPES[dtype]} is {numel * itemsize} bytes")
+        if dtype not in DTYPES:
+            raise WireError("dtype", f"code {dtype} is not a known dtype")
+        if ndim > 2:
+            raise WireError("ndim", f"{ndim} dimensions, at most 2 travel")
+        dims = (d0, d1)[:ndim]
+        if any(d for d in (d0, d1)[ndim:]):
+            raise WireError("shape", f"dimensions beyond ndim={ndim} are not zero")
+        if DTYPES[dtype] is None:
+            if ndim or payload:
+                raise WireError("payload", "a message without a tensor carries no shape and no payload")
+        elif (d0 if ndim else 1) * (d1 if ndim == 2 else 1) * ITEMSIZE[dtype] != payload:
+            raise WireError("payload", f"{payload} bytes announced, but shape {list(dims)} of {DTYPES[dtype]} is "
+                                       f"a different size")
+        out.update(dtype=DTYPES[dtype], shape=dims)
     if payload > max_bytes:
         raise WireError("payload", f"{payload} bytes, above the limit of {max_bytes} bytes (syncer.max_message_mb)")
-    return dict(kind=KINDS[kind], learner=learner, incarnation=incarnation, version=version, base=base, tokens=tokens,
-                steps=steps, dtype=DTYPES[dtype], shape=dims, name_len=name_len, payload=payload)
+    return out
 
 
-def recv(sock: socket.socket, max_bytes: int) -> Message:
-    """Read one message: the header is checked before a byte of payload is read or allocated."""
-    raw = bytes(_read_exact(sock, HEADER.size))
-    h = parse_header(raw, max_bytes)
-    name_raw = bytes(_read_exact(sock, h["name_len"])) if h["name_len"] else b""
-    if any(chr(c) not in NAME_CHARS for c in name_raw):
-        raise WireError("name", f"{name_raw[:MAX_NAME]!r} holds characters outside [A-Za-z0-9_.]")
+def decode(frames, max_bytes: int) -> Message:
+    """One message from its frames (``bytes``, ``memoryview`` or ``zmq.Frame``): the header is checked first, the
+    payload frame must have exactly the announced length, and becomes a tensor over the frame's memory."""
+    if not frames:
+        raise WireError("frames", "an empty message")
+    h = parse_header(_buffer(frames[0]), max_bytes)
     tensor = None
-    if h["dtype"] is not None:
-        # Read straight into the tensor's memory (no zero-filled staging buffer): its size was checked above.
-        tensor = torch.empty(h["shape"], dtype=h["dtype"])
-        if h["payload"]:
-            _read_exact(sock, h["payload"], memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B"))
+    if h["dtype"] is None:
+        if len(frames) != 1:
+            raise WireError("frames", f"{len(frames)} frames for a message without a tensor")
+    else:
+        tensor = _payload_tensor(frames[1:], h)
     extra = {k: h[k] for k in ("quantized", "numel", "block") if k in h}
     return Message(h["kind"], h["learner"], h["incarnation"], h["version"], h["base"], h["tokens"], h["steps"],
-                   name_raw.decode("ascii"), tensor, extra)
+                   h["name"], tensor, extra, h["boot"])
+
+
+def _payload_tensor(frames, h) -> torch.Tensor:
+    """The tensor of payload frames that must be exactly ``ceil(payload / CHUNK)`` (at least one), each ``CHUNK``
+    bytes but the last, summing to the announced size: one frame becomes a tensor over its memory, several are
+    copied into a tensor allocated only once their sizes were checked."""
+    n = h["payload"]
+    want = max(1, -(-n // CHUNK))
+    if len(frames) != want:
+        raise WireError("frames", f"{len(frames)} payload frames, {n} bytes travel in {want}")
+    bufs = [_buffer(f) for f in frames]
+    sizes = [len(b) for b in bufs]
+    if sum(sizes) != n or any(size != CHUNK for size in sizes[:-1]):
+        raise WireError("payload", f"{sum(sizes)} bytes arrived in frames of {sizes[:3]}..., the header announced "
+                                   f"{n} in frames of {CHUNK}")
+    if not n:
+        return torch.empty(h["shape"], dtype=h["dtype"])
+    if len(bufs) == 1:
+        with warnings.catch_warnings():  # a received frame is read-only; nothing writes into it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(bufs[0], dtype=h["dtype"]).view(h["shape"])
+    out = torch.empty(h["shape"], dtype=h["dtype"])
+    flat = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+    for i, b in enumerate(bufs):
+        flat[i * CHUNK:i * CHUNK + len(b)] = b
+    return out
+
+
+def _buffer(frame) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame: its memory, without a copy
+    return memoryview(buf).cast("B")
 
 
 def quantized(kind: str, raw: torch.Tensor, wire_dtype: str, numel: int, block: int, **fields) -> Message:
@@ -233,7 +254,7 @@ def dequantize(msg: Message) -> Message:
     dequantize_accumulate(raw[4 * nb:].view(QUANT_WIRE[msg.extra["quantized"]]), raw[:4 * nb].view(torch.float32),
                           out, block_size=block)
     return Message(msg.kind, msg.learner, msg.incarnation, msg.version, msg.base, msg.tokens, msg.steps, msg.name,
-                   out)
+                   out, boot=msg.boot)
 
 
 def expect(msg: Message, kind: str, name: Optional[str] = None, numel: Optional[int] = None,
@@ -263,25 +284,6 @@ def int64s(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def connect(address: Tuple[str, int], timeout_s: float, what: str) -> socket.socket:
-    """Connect to ``address``, retrying until ``timeout_s``; the error names ``what`` and the address."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while True:
-        try:
-            sock = socket.create_connection(address, timeout=max(1.0, min(10.0, timeout_s)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(None)
-            return sock
-        except OSError as err:
-            last = err
-        if time.monotonic() >= deadline:
-            raise ConnectionError(f"acco decoupled: could not reach {what} at {address[0]}:{address[1]} within "
-                                  f"{timeout_s:g} s (local_sgd.syncer.timeout_s): {last}. Start it (acco-ds "
-                                  f"syncer) or check local_sgd.syncer.address")
-        time.sleep(0.2)
-
-
 def split_address(address: str) -> Tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -289,6 +291,6 @@ def split_address(address: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-__all__ = ["Message", "WireError", "Closed", "Refused", "send", "recv", "expect", "encode", "parse_header", "connect",
-           "quantized", "dequantize", "QUANTIZED",
-           "split_address", "text", "int64s", "HEADER", "MAGIC", "PROTOCOL", "NO_VERSION", "KINDS"]
+__all__ = ["Message", "WireError", "Closed", "Refused", "encode", "decode", "expect", "parse_header", "size",
+           "quantized", "dequantize", "QUANTIZED", "split_address", "text", "int64s", "HEADER", "MAGIC", "PROTOCOL",
+           "NO_VERSION", "KINDS", "HELD", "MERGED", "LOST"]
