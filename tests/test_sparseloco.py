@@ -242,13 +242,15 @@ def test_the_torch_host_on_plain_modules_and_fsdp2_matches_the_simulator():
     """``acco_ds.torch`` (no DeepSpeed), 2 replicas of 2 ranks, 2-bit values: on a plain module (ZeRO-1's flat
     partitions, the straddling chunk) and on FSDP2 (each parameter sharded by rows, unevenly: fc1.weight's
     13 rows as 7 + 6, so its chunk [48, 64) straddles the two shards at 49); every rank's replica and the
-    anchor match the simulator, and finalize leaves one model."""
+    anchor match the simulator, and finalize leaves one model. The same overlapped (``overlap: 1``): the
+    simulator's overlap rule, and finalize lands the last sync's gather, still in flight, on every replica."""
     from test_torch_host import WORKER, local
-    cfg = local("sparseloco", 2, H=H, **CASES[1])
-    results = launch({"runs": [dict(config=cfg, steps=STEPS, finalize=True, fsdp=fsdp) for fsdp in (None, 2)]},
-                     world_size=4, timeout=350, worker=WORKER)
-    ref = reference(4, 2, **CASES[1])
-    for i in range(2):
+    cases = [CASES[1], OVERLAP[0]]
+    runs = [dict(config=local("sparseloco", 2, H=H, **c), steps=STEPS, finalize=True, fsdp=fsdp)
+            for c in cases for fsdp in (None, 2)]
+    results = launch({"runs": runs}, world_size=4, timeout=350, worker=WORKER)
+    for i, (case, fsdp) in enumerate((c, f) for c in cases for f in (None, 2)):
+        ref = reference(4, 2, **case)
         for rank in range(4):
             r = results[rank][i]
             assert not r["deepspeed_imported"]

@@ -110,9 +110,15 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
         super().after_inner_step()
 
     def finalize(self) -> None:
-        """A gather in flight lands now; then the blocking sync of the unfinished period."""
+        """A gather in flight lands now; then the blocking sync of the unfinished period. With no inner step
+        since the gather's sync, every replica takes the anchor (θ + (x − θ) is x only in exact arithmetic)."""
         if self.flight is not None:
+            fresh = self.schedule.inner == 0
             self.land_flight()
+            if fresh:
+                for master, x in zip(self.shards.masters, self.anchor):
+                    master.copy_(x)
+                self._install(self.shards.masters)
         self.finishing = True
         try:
             super().finalize()
