@@ -18,7 +18,8 @@ N < ``sync_every``, so a gather lands before the next sync starts. N = 0 is not 
 sync, bit for bit. The end of training (``finalize``) lands a gather in flight at once (with no inner step since
 its sync, every replica takes the anchor), then runs the blocking sync, so every replica ends on the anchor. A
 checkpoint taken while a gather is in flight waits for it and saves the average with the steps left before it
-lands, so a resume lands it at the same step. The float64 simulator of this rule is ``acco_ds.testing.sparseloco.simulate_sparseloco(overlap=N)``.
+lands, so a resume lands it at the same step. The float64 simulator of this rule is
+``acco_ds.testing.sparseloco.simulate_sparseloco(overlap=N)``.
 
 Runs in a fixed fleet on one host's data-parallel (ZeRO-1, FSDP2) and expert layouts; tensor parallelism and
 replicas that come and go are refused by name (their syncs gather on the main thread).
