@@ -84,9 +84,11 @@ def test_streaming_sparseloco_and_a_edit_on_moe_match_their_simulators():
             dict(config=common.ds_config(acco=block("sparseloco", **SPARSE), gas=GAS), model="moe", steps=STEPS,
                  record_committed=True),
             dict(config=common.ds_config(acco=block("edit", **A_EDIT), gas=GAS),
-                 model="moe", steps=10**6, until_syncs=3, fake_clock=costs, record_committed=True)]
+                 model="moe", steps=10**6, until_syncs=3, fake_clock=costs, record_committed=True),
+            dict(config=common.ds_config(acco=block("sparseloco", **SPARSE, overlap=2), gas=GAS), model="moe",
+                 steps=STEPS, record_committed=True)]
     results = launch({"runs": runs}, world_size=W, timeout=500)
-    stream, stream8, sparse, aedit = ([results[r][i] for r in range(W)] for i in range(4))
+    stream, stream8, sparse, aedit, overlapped = ([results[r][i] for r in range(W)] for i in range(5))
 
     # Streaming DiLoCo: both fragments hold dense and expert slices; each rank's replica and anchor are the
     # simulator's at every step, and finalize leaves one model (every copy of an expert alike).
@@ -124,6 +126,13 @@ def test_streaming_sparseloco_and_a_edit_on_moe_match_their_simulators():
     for rank, r in enumerate(sparse):  # the summary's residual norm: this replica's ‖e‖, every expert once
         want = float(sref["errors"][rank // K][-1].norm())
         assert abs(r["stats"]["sparse_residual_norm"] - want) <= 1e-4 * want, (r["stats"], want)
+    # overlapped (the gather behind the next 2 inner steps, dense and expert groups alike): the simulator's rule
+    oref = simulate_sparseloco(common.make_model(0, "dense_moe"), common.loss_fn, common.micro_batch, world_size=W,
+                               group_size=K, gradient_accumulation_steps=GAS, steps=STEPS, sync_every=H,
+                               optimizer_fn=common.reference_optimizer("AdamW"), overlap=2, **SPARSE)
+    for rank, r in enumerate(overlapped):
+        assert_matches_or_flip(r["params"], per_rank(oref["replicas"][rank // K], rank % common.MOE_EP))
+        assert_matches_or_flip(r["committed"], per_rank(oref["anchor"], rank % common.MOE_EP))
 
     # A-EDiT: the slow replica runs fewer inner steps per period; the anchor and each replica equal the
     # simulator fed the step counts the syncs exchanged.
