@@ -64,7 +64,9 @@ def test_a_stopped_learner_leaves_the_quorum_and_rejoins(tmp_path, monkeypatch):
     os.kill(pid, signal.SIGCONT)
     t.join(200)
     results = out["r"]
-    assert during and all(sorted(m["learners"]) == [0, 1] for m in during), during  # no wait for learner 2
+    # No wait for learner 2: the others merge without it (its Δ sent before the stop may still be in the first).
+    assert sum(sorted(m["learners"]) == [0, 1] for m in during) >= 2, during
+    assert sum(2 in m["learners"] for m in during) <= 1, during
     log = merges(state)
     for rank in range(3):
         r = results[rank][0]

@@ -34,6 +34,9 @@ class Handlers:
         if kind != "INIT" and kind != "DONE" and self.state.empty:
             raise wire.WireError("kind", f"{kind} before the syncer has a model (INIT first)")
         self._touch(msg.learner, msg.incarnation)
+        if kind in ("DELTA", "READY") and self.decided and self.state.version < msg.base <= max(self.decided):
+            self.early[(peer, kind)] = msg  # from a version a decision being replayed makes: handled after it
+            return
         handler(peer, msg)
 
     def _on_follow(self, peer: bytes, msg: wire.Message) -> None:
@@ -87,6 +90,9 @@ class Handlers:
                 status = wire.HELD
             elif self.merged.get(msg.learner) == (msg.incarnation, msg.base):
                 status = wire.MERGED
+            elif any(m.kind == "DELTA" and (m.learner, m.incarnation, m.base) == (msg.learner, msg.incarnation,
+                                                                                  msg.base) for m in self.early.values()):
+                status = wire.HELD
         self._send(peer, wire.Message("PONG", learner=msg.learner, version=self.state.version, steps=status))
 
     def _on_init(self, peer: bytes, msg: wire.Message) -> None:

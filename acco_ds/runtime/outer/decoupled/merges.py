@@ -61,6 +61,7 @@ class MergeRule:
 
     def resume(self) -> None:
         self.decided: Dict[int, list] = {}  # version -> [(learner, incarnation, base)], not applied yet
+        self.early: Dict[tuple, "wire.Message"] = {}  # (peer, kind) -> a DELTA or READY from a version to come
         if self.state_dir is None:
             return
         os.makedirs(self.state_dir, exist_ok=True)
@@ -143,7 +144,18 @@ class MergeRule:
             self._send(f, wire.Message("MERGE", version=version, name="learners", tensor=payload))
 
     def _apply(self) -> None:
-        """Merge the next decided version while this shard holds every slice it names."""
+        """Merge the next decided version while this shard holds every slice it names; then take the messages
+        that waited for those versions."""
+        self._replay_decided()
+        if not self.decided and self.early:
+            early, self.early = self.early, {}
+            for (peer, kind), msg in sorted(early.items(), key=lambda item: item[0][1]):  # DELTA before READY
+                try:
+                    self._handle(peer, msg)
+                except wire.WireError as err:
+                    self._refuse(peer, str(err))
+
+    def _replay_decided(self) -> None:
         while self.decided:
             version = min(self.decided)
             if version <= self.state.version and self.state.version != wire.NO_VERSION:
