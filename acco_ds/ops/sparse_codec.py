@@ -113,17 +113,17 @@ def encode(payload, offsets: torch.Tensor, *, topk: int, value_bits: int, coding
     if coding not in CODINGS:
         raise ValueError(f"entropy_coding must be null or \"zlib\", got {coding!r}")
     indices, values, scales = payload
-    packed = [pack_indices(indices, offsets, topk), values.contiguous().view(torch.uint8),
-              scales.contiguous().view(torch.uint8)]
-    body = torch.cat([t.reshape(-1) for t in packed])
-    tag = TAG_PACKED
-    if coding == "zlib":
+    if coding == "zlib":  # first: when it pays (nearly always on real payloads) the packing is not needed
         g = _gaps(indices, offsets, topk)
         planes = torch.cat([g & 0xFF, g >> 8]).to(torch.uint8)
         z = zlib.compress(_raw(planes) + _raw(values) + _raw(scales), ZLIB_LEVEL)
-        if len(z) < body.numel():
-            body, tag = torch.frombuffer(bytearray(z), dtype=torch.uint8).to(indices.device), TAG_ZLIB
-    return torch.cat([body.new_full((1,), tag), body])
+        if len(z) < sparse_payload_bytes(offsets, topk, value_bits) - 1:
+            body = torch.frombuffer(bytearray(z), dtype=torch.uint8).to(indices.device)
+            return torch.cat([body.new_full((1,), TAG_ZLIB), body])
+    packed = [pack_indices(indices, offsets, topk), values.contiguous().view(torch.uint8),
+              scales.contiguous().view(torch.uint8)]
+    body = torch.cat([t.reshape(-1) for t in packed])
+    return torch.cat([body.new_full((1,), TAG_PACKED), body])
 
 
 def decode(wire: torch.Tensor, offsets: torch.Tensor, *, topk: int, value_bits: int, device=None
