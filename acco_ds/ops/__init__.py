@@ -9,8 +9,9 @@
   fp32 sum, or an update applied to bit16 parameters).
 * ``sparse_pack`` / ``sparse_unpack_accumulate``: sparse outer communication
   (sparseloco): per chunk the top-k entries of the error buffer, quantized to
-  2/4/8-bit levels and packed with 16-bit indices, the residual left in the
-  buffer; and the receiver's ``out[kept] += q * weight``.
+  2/4/8-bit levels with their in-chunk indices (int16; ``sparse_codec`` packs
+  them at the chunk's bits for the wire), the residual left in the buffer; and
+  the receiver's ``out[kept] += q * weight``.
 * ``sparse_average``: the receiver's weighted average of every replica's
   payload. On the CPU one pass over ``out`` (each chunk summed in cache, then
   written once); elsewhere composed from ``sparse_unpack_accumulate``.
