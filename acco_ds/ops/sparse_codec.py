@@ -147,10 +147,11 @@ def decode(wire: torch.Tensor, offsets: torch.Tensor, *, topk: int, value_bits: 
         indices = unpack_indices(body[:n_idx], offsets, topk)
         rest = body[n_idx:]
     elif tag == TAG_ZLIB:
-        raw = zlib.decompressobj().decompress(_raw(wire[1:]))
-        if len(raw) != 2 * entries + n_val + n_sc:
-            raise ValueError(f"sparse payload: the zlib body holds {len(raw)} bytes, these offsets, topk={topk} and "
-                             f"value_bits={value_bits} need {2 * entries + n_val + n_sc}")
+        need = 2 * entries + n_val + n_sc
+        raw = zlib.decompressobj().decompress(_raw(wire[1:]), need + 1)  # at most one byte more than it needs
+        if len(raw) != need:
+            raise ValueError(f"sparse payload: the zlib body holds {len(raw)}{'+' if len(raw) > need else ''} bytes, "
+                             f"these offsets, topk={topk} and value_bits={value_bits} need {need}")
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         gaps = flat[:entries].to(torch.int64) | (flat[entries:2 * entries].to(torch.int64) << 8)
         indices = _ungap(gaps, offsets, topk).to(device)
