@@ -48,9 +48,12 @@ def zmq_server(port, keys, ready):
     ready.set()
     while True:
         frames = sock.recv_multipart(copy=False)
-        if len(frames[1]) == 0:
+        if len(frames) == 2 and len(frames[1]) == 0:
             break
         sock.send_multipart(frames, copy=False)
+
+
+CHUNK = [0]  # zmq: payload frames of this many bytes (0: one frame); set from --chunk-mb
 
 
 def zmq_client(port, keys, payload, repeats):
@@ -65,9 +68,10 @@ def zmq_client(port, keys, payload, repeats):
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        sock.send(payload, copy=False)
-        back = sock.recv(copy=False)
-        assert len(back) == len(payload)
+        view, step = memoryview(payload), CHUNK[0] or len(payload)
+        sock.send_multipart([view[i:i + step] for i in range(0, len(view), step)], copy=False)
+        back = sock.recv_multipart(copy=False)
+        assert sum(len(f) for f in back) == len(payload)
         if i:
             times.append(time.perf_counter() - t0)
     sock.send(b"")
@@ -136,24 +140,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk-mb", type=float, nargs="+", default=[0, 8], help="zmq: frames of this size (0: one)")
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_engines"))
     args = ap.parse_args(argv)
     import grpc
     import zmq
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for engine, secure in (("zmq", True), ("zmq", False), ("grpc", True), ("grpc", False)):
+        runs = [("zmq", secure, c) for c in args.chunk_mb for secure in (True, False)]
+        for engine, secure, chunk in runs + [("grpc", True, 0), ("grpc", False, 0)]:
+            CHUNK[0] = int(chunk * (1 << 20))
             s = measure(engine, secure, args.mb, args.repeats, tmp)
-            rows.append({"engine": engine, "encrypted": secure, "round_trip_s": s, "gb_s": 2 * args.mb / 1024 / s})
+            rows.append({"engine": engine, "encrypted": secure, "chunk_mb": chunk, "round_trip_s": s,
+                         "gb_s": 2 * args.mb / 1024 / s, "load": os.getloadavg()[0]})
             print(rows[-1], flush=True)
     md = ["# Messaging engines for the decoupled syncer\n",
           f"Command: `python benchmarks/decoupled_engines.py {' '.join(argv or sys.argv[1:])}` "
           f"({time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, loopback, Python {platform.python_version()}, "
           f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), grpcio {grpc.__version__}. One round trip: "
           f"{args.mb:g} MiB of raw bytes to a server process and back, median of {args.repeats}.\n",
-          "| engine | encryption | round trip (s) | GB/s (up + down) |", "|---|---|---|---|"]
+          "| engine | encryption | frames | round trip (s) | GB/s (up + down) | load average after |",
+          "|---|---|---|---|---|---|"]
     md += [f"| {r['engine']} | {('CURVE' if r['engine'] == 'zmq' else 'TLS') if r['encrypted'] else 'none'} | "
-           f"{r['round_trip_s']:.4f} | {r['gb_s']:.2f} |" for r in rows]
+           f"{'one' if not r['chunk_mb'] else '%g MiB' % r['chunk_mb']} | {r['round_trip_s']:.4f} | "
+           f"{r['gb_s']:.2f} | {r['load']:.1f} |" for r in rows]
     text = "\n".join(md) + "\n"
     print(text)
     out = Path(args.out)

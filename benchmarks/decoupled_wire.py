@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
-from acco_ds.runtime.outer.decoupled import transport  # noqa: E402
+from acco_ds.runtime.outer.decoupled import transport, wire  # noqa: E402
 from acco_ds.runtime.outer.decoupled.link import Link  # noqa: E402
 
 SETTINGS = json.dumps(dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none",
@@ -62,20 +62,31 @@ def start_shard(tmp: str, host: str, auth_file, wrap=lambda cmd: cmd):
 
 def exchanges(link: Link, numel: int, dtype: str, repeats: int, counter=None):
     """HELLO, INIT, then ``repeats`` + 1 exchanges; per exchange (the first warms up) its seconds and the bytes
-    ``counter()`` grew by from the DELTA's send to its ACK."""
+    ``counter()`` grew by from the DELTA's send to its ACK. A θ_g lost on the way is asked for again, as a learner
+    does (``resends`` counts it)."""
     link.open(30)
     link.send(link.mine("INIT", name="theta", tensor=torch.zeros(numel)))
     up, delta, times, counted = uplink(dtype), torch.randn(numel) * 1e-3, [], []
     for v in range(repeats + 1):
         t0 = time.perf_counter()
         before = counter() if counter else 0
-        link.send(up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1))
+        msg = up.message(delta, learner=0, incarnation=1, base=v, tokens=1, steps=1)
+        link.send(msg)
         link.recv("ACK")
         if counter:
             counted.append(counter() - before)
         link.send(link.mine("READY", base=v, tokens=1, steps=1))
         link.waiting_base = v
-        link.recv_params(numel)
+        while True:
+            try:
+                link.recv_params(numel)
+                break
+            except wire.Closed:
+                link.resends += 1
+                link.reopen(time.monotonic() + 60, RuntimeError("lost"))
+                link.send(msg)
+                link.send(link.mine("READY", base=v, tokens=1, steps=1))
+        link.waiting_base = None
         if v:
             times.append(time.perf_counter() - t0)
     link.done()
@@ -85,6 +96,7 @@ def exchanges(link: Link, numel: int, dtype: str, repeats: int, counter=None):
 def veth_worker(args) -> None:
     counter = Path(f"/sys/class/net/{args.dev}/statistics/tx_bytes")
     link = Link((args.host, args.port), 0, 1, 0, 60, 1 << 40, transport.load_keys(args.auth_file))
+    link.resends = 0
     _, counted = exchanges(link, args.numel, args.dtype, args.repeats, lambda: int(counter.read_text()))
     Path(args.out).write_text(json.dumps(counted[1:]))
 
@@ -111,8 +123,11 @@ def exchange_times(numel: int, repeats: int, dtype: str = "fp32", auth_file=None
     with tempfile.TemporaryDirectory(prefix="acco_wire_") as tmp:
         proc, port = start_shard(tmp, "127.0.0.1", auth_file)
         link = Link(("127.0.0.1", port), 0, 1, 0, 60, 1 << 40, transport.load_keys(auth_file))
+        link.resends = 0
         times, _ = exchanges(link, numel, dtype, repeats)
         proc.wait(30)
+    if link.resends:
+        print(f"{link.resends} θ_g lost on the way and asked for again", flush=True)
     return times, link.delta_bytes // (repeats + 1)
 
 

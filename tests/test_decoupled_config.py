@@ -22,6 +22,9 @@ def test_defaults():
     ls = acco.local_sgd
     assert (ls.sync_every_s, ls.min_quorum, ls.grace_s, ls.nesterov_delay) == (2.5, 3, 0.0, 4)
     assert ls.syncer.address == "10.0.0.1:29600" and ls.syncer.timeout_s == 30
+    assert (ls.syncer.liveness_s, ls.syncer.auth_file, ls.tokens_per_step) == (10.0, None, None)
+    ls = parse_acco_config(block(tokens_per_step=4096, syncer={"auth_file": "/k", "liveness_s": 2.5})).local_sgd
+    assert (ls.tokens_per_step, ls.syncer.auth_file, ls.syncer.liveness_s) == (4096, "/k", 2.5)
 
 
 @pytest.mark.parametrize("acco, needle", [
@@ -48,6 +51,9 @@ def test_defaults():
      'unknown key "acco.local_sgd.syncer.adress"'),
     ({"mode": "decoupled", "local_sgd": {"syncer": {"timeout_s": 0}}}, '"acco.local_sgd.syncer.timeout_s"'),
     ({"mode": "decoupled", "local_sgd": {"adopt": "later"}}, '"acco.local_sgd.adopt"'),
+    ({"mode": "decoupled", "local_sgd": {"tokens_per_step": 0}}, '"acco.local_sgd.tokens_per_step"'),
+    ({"mode": "diloco", "local_sgd": {"tokens_per_step": 8}}, 'acco.local_sgd.tokens_per_step belongs to mode'),
+    ({"mode": "decoupled", "local_sgd": {"syncer": {"liveness_s": 0}}}, '"acco.local_sgd.syncer.liveness_s"'),
     ({"mode": "diloco", "local_sgd": {"adopt": "overlap"}}, 'acco.local_sgd.adopt belongs to mode "decoupled"'),
     ({"mode": "decoupled", "fault_tolerance": {}},
      'acco.fault_tolerance (torchft quorums) and acco.mode "decoupled" exclude each other'),

@@ -28,7 +28,7 @@ import zmq.utils.monitor
 import zmq.utils.z85
 
 MIN_SECRET = 32
-HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000  # ZMTP pings: a dead TCP peer is closed within seconds
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 30_000  # ZMTP pings: a dead TCP peer is closed within 30 s
 HANDSHAKE_MS = 10_000  # a connection that does not finish its handshake in time is closed
 HWM = 64  # messages queued per connection, each way: a peer that does not read loses ours, never blocks us
 ZAP_DOMAIN = "acco_ds"
