@@ -124,8 +124,12 @@ def exchange_times(numel: int, repeats: int, dtype: str = "fp32", auth_file=None
         proc, port = start_shard(tmp, "127.0.0.1", auth_file)
         link = Link(("127.0.0.1", port), 0, 1, 0, 60, 1 << 40, transport.load_keys(auth_file))
         link.resends = 0
-        times, _ = exchanges(link, numel, dtype, repeats)
-        proc.wait(30)
+        try:
+            times, _ = exchanges(link, numel, dtype, repeats)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     if link.resends:
         print(f"{link.resends} θ_g lost on the way and asked for again", flush=True)
     return times, link.delta_bytes // (repeats + 1)

@@ -46,7 +46,8 @@ class Handlers:
         self.followers.add(peer)
         for rec in self.decisions(after=msg.version):
             members = [v for m in rec["members"] for v in m]
-            self._send(peer, wire.Message("MERGE", version=rec["version"], name="learners", tensor=wire.int64s(members)))
+            self._send(peer, wire.Message("MERGE", version=rec["version"], name="learners",
+                                          tensor=wire.int64s(members)))
         self._send(peer, wire.Message("PONG", version=self.state.version))  # caught up
 
     def _on_hello(self, peer: bytes, msg: wire.Message) -> None:
@@ -81,7 +82,7 @@ class Handlers:
 
     def _on_ping(self, peer: bytes, msg: wire.Message, info) -> None:
         """PONG: this shard's version, and whether the Δ of base ``msg.base`` is HELD, MERGED or LOST here."""
-        status = wire.LOST
+        status, key = wire.LOST, (msg.learner, msg.incarnation, msg.base)
         if info is not None and (msg.learner, msg.incarnation) == (info["learner"], info["incarnation"]):
             self._touch(msg.learner, msg.incarnation)
             p = self.pending.get(msg.learner)
@@ -90,8 +91,7 @@ class Handlers:
                 status = wire.HELD
             elif self.merged.get(msg.learner) == (msg.incarnation, msg.base):
                 status = wire.MERGED
-            elif any(m.kind == "DELTA" and (m.learner, m.incarnation, m.base) == (msg.learner, msg.incarnation,
-                                                                                  msg.base) for m in self.early.values()):
+            elif any(m.kind == "DELTA" and (m.learner, m.incarnation, m.base) == key for m in self.early.values()):
                 status = wire.HELD
         self._send(peer, wire.Message("PONG", learner=msg.learner, version=self.state.version, steps=status))
 
