@@ -150,8 +150,9 @@ def render(pairs, args, argv) -> str:
              f"Command: `python benchmarks/decoupled_chaos.py {' '.join(argv or sys.argv[1:])}` "
              f"({getattr(args, 'date', None) or time.strftime('%Y-%m-%d %H:%M')}), {os.cpu_count()} cores, CPU, "
              f"Python {platform.python_version()}. 3 learners of one rank, one process each, `acco-ds syncer` of one "
-             f"shard; GPT 2 layers x 64, block 64, micro-batch 8 x 2; sync_every {args.sync_every}, K = 1, grace "
-             f"auto, Delayed Nesterov (N = 3); {args.seconds:g} s of training per learner. Chaos (`--fault`): "
+             f"shard; GPT 2 layers x 64, block 64, micro-batch 8 x 2; sync_every {args.sync_every}, "
+             f"K = {'3, grace 0' if getattr(args, 'fault', '') == 'stop-learner' else '1, grace auto'}, Delayed "
+             f"Nesterov (N = 3); {args.seconds:g} s of training per learner. Chaos (`--fault`): "
              f"{FAULTS[args.fault].format(a=args)} Variant: `adopt` : the up-link's dtype, then the fault.\n",
              "| variant | run | wall s | merges | inner steps merged | goodput (steps/s) | longest pause 0/1/2 (s) | "
              "mean inner step 0/1/2 (s) | up-link bytes per period | final versions 0/1/2 (syncer) | exit codes | "
