@@ -228,7 +228,7 @@ def render(rows, args, argv) -> str:
            for r in rows]
     md.append("\nThe exchange moves the tensor twice (up and down) and runs the outer step on the shard; an "
               "all-reduce of 2 ranks moves it about once each way. Framing: an 84-byte header frame with the name per "
-              "message, then the payload frame.\n")
+              "message, then the payload in frames of 8 MiB.\n")
     return "\n".join(md)
 
 
