@@ -103,7 +103,10 @@ class Link:
                                   f"local_sgd.syncer.address") from None
         self.boot = None
         self.send(self.mine("HELLO", tokens=self.tokens_per_step))
-        state = self.recv("STATE")
+        state = self._next("STATE")
+        while state.kind in ("ACK", "PARAMS", "PONG"):  # answers to the socket this one replaced (same identity)
+            state = self._next("STATE")
+        wire.expect(state, "STATE")
         self.boot, self.liveness_s = state.boot, state.tokens / 1000.0
         if self.retained is not None and state.base == self.retained.base:  # a merge the shard must redo
             self.send(self.retained)
@@ -149,6 +152,8 @@ class Link:
             raise wire.Closed(f"{self.where} restarted")
         if msg.kind == "PARAMS" and self.adopted is not None and msg.version <= self.adopted:
             return None  # the θ_g of a merge redone after a restart from the retained Δ: this rank has it
+        if msg.kind == "PARAMS":
+            self.waiting_base = None  # its merge came: a PONG of a PING sent before it says MERGED, rightly
         if msg.kind != "PONG":
             return msg
         if self.waiting_base is not None and msg.steps != wire.HELD:

@@ -10,6 +10,7 @@ that restarted gets the decisions again from shard 0's log (FOLLOW names the ver
 
 import json
 import os
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -93,15 +94,33 @@ class MergeRule:
                     out.append(rec)
         return out
 
-    def checkpoint(self, record: Optional[dict]) -> None:
-        """θ_g, momentum and version of this shard (after the merged learners received θ_g), and the merge log."""
+    def checkpoint(self, record: Optional[dict], theta=None) -> None:
+        """Save θ_g, momentum and version of this shard, and append the merge to the log, on a thread of its own
+        (after the merged learners received θ_g: the save is not in their pause, nor in anyone's while it runs).
+        At most one save is in flight, and the next merge waits for it (``_saved``): the learners then stand at most
+        one merge ahead of the disk, and they keep that merge's Δ (a restart replays it)."""
         if self.state_dir is None:
             return
+        self._saved()
+        st = self.state
         merged = {str(l): [int(s), int(b)] for l, (s, b) in self.merged.items()}
-        state = {**self.state.state_dict(), "merged": merged}
+        state = {"x": st.x.clone() if theta is None else theta, "m": st.m.clone(),
+                 "buffer": None if st.buffer is None else st.buffer.clone(), "since": st.since,
+                 "version": st.version, "merged": merged}
+        self.saver = threading.Thread(target=self._save, args=(state, record), daemon=True)
+        self.saver.start()
+
+    def _save(self, state: dict, record: Optional[dict]) -> None:
         durable_write(self._path(f"shard{self.index}.pt"), lambda f: torch.save(state, f))
         if record is not None and self.index == 0:
             append_line(self._path("merges.jsonl"), record)
+
+    def _saved(self) -> None:
+        """Wait for the save in flight, if any."""
+        saver = getattr(self, "saver", None)
+        if saver is not None:
+            saver.join()
+            self.saver = None
 
     # ---------------------------------------------------------------- merges (shard 0 decides)
     def grace_s(self) -> float:
@@ -170,6 +189,7 @@ class MergeRule:
             self._merge(members, version)
 
     def _merge(self, members, version: int) -> None:
+        self._saved()  # the disk at most one merge behind what the learners adopt
         entries = [self.pending.pop(l) for l, _, _ in members]
         for (l, s, _), e in zip(members, entries):
             self.merged[l] = (s, e["base"])
@@ -188,7 +208,7 @@ class MergeRule:
             self._send(e["conn"], wire.Message("PARAMS", learner=l, incarnation=s, version=self.state.version,
                                                name="theta", tensor=theta))
         self._drill("sent", version)
-        self.checkpoint(record)  # after the learners have θ_g: the save is not in their pause
+        self.checkpoint(record, theta)  # after the learners have θ_g, on its own thread
 
     def _drill(self, point: str, version: int) -> None:
         """A fault drill: ``ACCO_SYNCER_CRASH="j:point:v"`` ends shard j at once (as SIGKILL would) at ``point``

@@ -185,6 +185,7 @@ class Shard(Handlers, MergeRule):
         self.stopped.set()
 
     def close(self) -> None:
+        self._saved()  # the last checkpoint is on disk before the process ends
         self.guard.close()
         self.sock.close(500)  # a last DONE to the followers may still leave
         if self.leader is not None:
