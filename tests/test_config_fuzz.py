@@ -16,7 +16,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from acco_ds.config import (ACCOConfig, ACCOEmulationConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
                             check_deepspeed_config, parse_acco_config)
-from acco_ds.config import FaultToleranceConfig
+from acco_ds.config import FaultToleranceConfig, Layout
 from acco_ds.config import AnomalyConfig
 
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # no .hypothesis/ in the checkout
@@ -243,7 +243,8 @@ def test_random_deepspeed_combinations(cfg):
     ds_config = DeepSpeedConfig(cfg)  # no process group: DeepSpeed takes world size 1
     problems = expected_problems(cfg)
     try:
-        check_deepspeed_config(acco, ds_config)
+        gas = int(ds_config.gradient_accumulation_steps)
+        check_deepspeed_config(acco, ds_config, Layout.launch(1, micro_batches=gas))
     except ValueError as err:
         message = str(err)
         for key in problems:

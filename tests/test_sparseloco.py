@@ -100,8 +100,8 @@ def test_two_replicas_of_one_rank_match_the_simulator():
     results = launch({"runs": runs}, world_size=2, timeout=240)
     check_against_simulator(results, 2, 1, cases)
     for rank in range(2):
-        today, zero = results[rank][0], results[rank][3]
-        for a, b in zip(today["params"] + today["committed"], zero["params"] + zero["committed"]):
+        blocking, zero = results[rank][0], results[rank][3]
+        for a, b in zip(blocking["params"] + blocking["committed"], zero["params"] + zero["committed"]):
             assert torch.equal(a, b)
     # the overlapped rule is not the blocking one: after the first sync the replica is still on its own weights
     blocking = reference(2, 1, **dict(OVERLAP[1], overlap=0))
