@@ -27,10 +27,10 @@ $(STAMP): setup.py requirements-dev.txt constraints.txt $(OPS_SOURCES)
 	$(BIN)/python -m pip install -q -c constraints.txt -e . -r requirements-dev.txt
 	ACCO_BUILD_OPS=1 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import acco_ds.ops.acco_cpu_ops_op"
-	# DeepSpeed's CPU backend JIT-builds its own shared-memory op at the first init_distributed: build it
-	# now, so that demo and test compile nothing.
+	# DeepSpeed's CPU backend JIT-builds its own shared-memory op at the first init_distributed, and its fused
+	# Adam for an "AdamW" without torch_adam: build both now, so that demo and test compile nothing.
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
-		a().create_op_builder('ShareMemCommBuilder').load()"
+		[a().create_op_builder(n).load() for n in ('ShareMemCommBuilder', 'FusedAdamBuilder')]"
 	touch $@
 
 demo: $(STAMP)
