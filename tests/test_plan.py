@@ -532,3 +532,19 @@ def test_decoupled_row(capsys):
     rows = {r["name"]: r for r in plan_of(capsys, *SEVEN_B, "--inter-bandwidth", "1gbit")["modes"]}
     assert "arXiv 2604.21428" in rows["decoupled"]["token_factor_source"]
     assert rows["decoupled"]["acco"]["mode"] == "decoupled" and rows["decoupled"]["sync_every"] is not None
+
+
+def test_sparseloco_overlap_hides_the_sync_behind_n_inner_steps(capsys):
+    """``"overlap": N``: the sparse all-gather runs beside the next N inner steps; the row's block says N."""
+    inp = pm.Inputs(params=int(1e9), tokens_per_step=1e6, nodes=2, ranks_per_node=1, rank_flops=100e12,
+                    inter_bps=1e6)
+    blocking = pm.evaluate(inp, pm.Mode("sparseloco", "sparseloco", sync_every=16))
+    hidden = pm.evaluate(inp, pm.Mode("sparseloco overlap", "sparseloco", sync_every=16, delay=2))
+    t_sync = pm.sparse_allgather(inp, pm.SPARSE_DEFAULTS)[0]
+    assert blocking["step_s"] == pytest.approx(blocking["compute_s"] + t_sync / 16)
+    assert hidden["step_s"] == pytest.approx(hidden["compute_s"] + max(0.0, t_sync - 2 * hidden["compute_s"]) / 16)
+    assert hidden["inter_bytes_per_sync"] == blocking["inter_bytes_per_sync"]
+    plan = plan_of(capsys, "--params", "1b", "--tokens-per-step", "1m", "--nodes", "2", "--ranks-per-node", "1",
+                   "--rank-flops", "100tflops", "--inter-bandwidth", "1mbit")
+    row = next(r for r in plan["modes"] if r["name"] == "sparseloco overlap")
+    assert row["acco"]["local_sgd"]["overlap"] in (1, 2) and row["refused"] is None

@@ -262,7 +262,8 @@ def evaluate(inp: Inputs, m: Mode, factor_inp: Optional[Inputs] = None) -> dict:
         s_in = c + inner
         if m.mode == "sparseloco":
             t_sync, per_sync = sparse_allgather(inp, m.sparse)
-            exposed_sync = t_sync  # blocking, like diloco
+            # blocking, like diloco; "overlap": N (m.delay) hides it behind the next N inner steps
+            exposed_sync = exposed(inp, m.delay * s_in, t_sync, outer=True) if m.delay else t_sync
         elif m.mode == "decoupled":  # equal learners: no one waits for another, each for its own exchange
             t_sync, per_sync = syncer_exchange(inp, n)
             exposed_sync = t_sync
@@ -317,6 +318,7 @@ def candidates(inp: Inputs, sparse: bool = True, sync_every: Optional[int] = Non
                                         delay=tau))
         if sparse:
             out.append(Mode("sparseloco", "sparseloco", sync_every=h))
+            out += [Mode("sparseloco overlap", "sparseloco", sync_every=h, delay=n) for n in (1, 2) if n < h]
         out.append(Mode("decoupled", "decoupled", sync_every=h))
     return out
 

@@ -23,10 +23,10 @@ def acco_block(m: pm.Mode, inp: pm.Inputs, fig: dict) -> dict:
         if m.timed:  # A-EDiT: the same period in seconds of wall time
             del ls["sync_every"]
             ls["sync_time_s"] = float(f"{m.sync_every * fig['step_s']:.4g}")  # never rounded to 0
-        if m.fragments > 1 or m.delay:
-            ls.update(fragments=m.fragments, fragment_sync_delay=m.delay, fragment_update_alpha=0.5)
         if m.mode == "sparseloco":
-            ls.update(m.sparse)
+            ls.update(m.sparse, **({"overlap": m.delay} if m.delay else {}))
+        elif m.fragments > 1 or m.delay:
+            ls.update(fragments=m.fragments, fragment_sync_delay=m.delay, fragment_update_alpha=0.5)
         block["local_sgd"] = ls
     if m.compression:
         block["compression"] = {"dtype": m.compression}
