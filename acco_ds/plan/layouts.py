@@ -156,11 +156,11 @@ def search(inp: pm.Inputs, memory: Callable, judge: Callable, sparse: bool = Tru
 
 
 def choose(entries: List[dict]) -> dict:
-    """Of one row's layouts ({"fig", "memory", "refused" (None or absent: it runs), ...}): those acco_ds runs (if
-    none, all: the row then says why), of them the fastest that fits, ties within 5% to the smaller tp × pp; if none fits, the one
-    needing the least memory."""
-    entries = [e for e in entries if e.get("refused") is None] or entries
+    """Of one row's layouts ({"fig", "memory", "refused" (None or absent: it runs), ...}): those where acco_ds runs
+    it and it fits, else those where it fits (the row then says why it is refused), the fastest of them, ties
+    within 5% to the smaller tp × pp; if it fits nowhere, the layout needing the least memory."""
     fits = [e for e in entries if e["memory"]["fits"]]
+    fits = [e for e in fits if e.get("refused") is None] or fits
     if not fits:
         return min(entries, key=lambda e: (e["memory"]["total"], e["fig"]["time_to_tokens_s"]))
     fastest = min(e["fig"]["time_to_tokens_s"] for e in fits)
