@@ -152,6 +152,7 @@ class Handlers:
         self.last_arrival[msg.learner] = now
 
     def _on_done(self, peer: bytes, msg: wire.Message) -> None:
+        self._saved()  # a learner that is done finds the checkpoint and the merge log of its last merge on disk
         self._send(peer, wire.Message("PONG", learner=msg.learner, version=self.state.version))  # heard
         self.done.add(msg.learner)
         self.peers.pop(peer, None)
