@@ -225,7 +225,7 @@ def _block_with(path: str, value) -> dict:
     parts = path.split(".")[1:]
     streaming = parts[-1] in ("fragments", "fragment_sync_delay", "fragment_update_alpha")
     sparse = parts[-1] in ("chunk", "topk", "error_decay", "value_bits", "overlap")
-    decoupled = parts[-1] in ("min_quorum", "nesterov_delay")
+    decoupled = parts[-1] in ("min_quorum", "nesterov_delay", "tokens_per_step")
     mode = ("diloco" if streaming else "sparseloco" if sparse else "decoupled" if decoupled else "edit") \
         if parts[0] == "local_sgd" else "diloco" if parts[0] == "fault_tolerance" else "acco"
     block = {"enabled": True, "mode": mode}
