@@ -310,3 +310,18 @@ def test_a_large_payload_travels_in_chunks_and_a_bad_chunking_is_refused(monkeyp
         wire.decode(frames[:-1], MB)
     with pytest.raises(wire.WireError, match="payload"):
         wire.decode(frames[:1] + [frames[1][:8], frames[2] + frames[1][8:]] + frames[3:], MB)
+
+
+def test_a_frame_above_the_chunk_size_never_reaches_the_shard(shard):
+    """ZeroMQ closes a connection whose frame is larger than a payload piece (``wire.CHUNK``) before allocating it:
+    the shard never sees the message, and the peer's next message, on its new connection, is served."""
+    a, _ = learner(shard, 0, 7)
+    a.send(a.mine("INIT", name="theta", tensor=torch.ones(8)))
+    n = (wire.CHUNK + (1 << 20)) // 4  # 9 MiB of fp32 in one frame
+    head = wire.encode(a.mine("DELTA", base=0, tokens=1, steps=1, name="delta", tensor=torch.zeros(1)))[0]
+    fields = list(wire.HEADER.unpack_from(head))
+    fields[12], fields[14] = n, 4 * n  # shape [n], payload 4n bytes
+    a.sock.send_multipart([wire.HEADER.pack(*fields) + b"delta", bytes(4 * n)])
+    a.send(a.mine("GET"))
+    got = a.recv("PARAMS", "theta", 8)
+    assert got.version == 0 and not shard.pending and shard.refused == 0 and shard.bytes_in < 4 * n

@@ -46,8 +46,8 @@ class SyncerConfig(_Block):
     it to that node's address when learners run on other nodes."""
 
     max_message_mb: float = Field(4096.0, gt=0.0, allow_inf_nan=False)
-    """Largest tensor payload a shard or a learner accepts in one message (MiB); ZeroMQ refuses a larger frame
-    before it allocates it."""
+    """Largest tensor payload a shard or a learner accepts in one message (MiB), checked on its header; a payload
+    travels in frames of at most 8 MiB, and ZeroMQ refuses a larger frame before it allocates it."""
 
     auth_file: Optional[str] = None
     """Path of the secret shared by the learners and ``acco-ds syncer --auth-file``: a file of at least 32 random

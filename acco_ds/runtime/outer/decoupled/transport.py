@@ -27,6 +27,8 @@ import zmq
 import zmq.utils.monitor
 import zmq.utils.z85
 
+from . import wire
+
 MIN_SECRET = 32
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 30_000  # ZMTP pings: a dead TCP peer is closed within 30 s
 HANDSHAKE_MS = 10_000  # a connection that does not finish its handshake in time is closed
@@ -109,7 +111,9 @@ def _common(sock: zmq.Socket, host: str, max_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 4096)  # one frame: the payload, or a header
+    # One frame: a header, or a piece of a payload (at most wire.CHUNK): a larger one closes the connection before
+    # it is allocated.
+    sock.setsockopt(zmq.MAXMSGSIZE, min(max_bytes, wire.CHUNK) + 4096)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
