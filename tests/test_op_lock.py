@@ -21,6 +21,8 @@ from acco_ds.deepspeed.initialize import guard_deepspeed_shm_op
 from acco_ds.ops import builder as builder_mod
 from deepspeed.ops.op_builder.builder import OpBuilder
 
+pytestmark = pytest.mark.alone  # bounds on waits of a few seconds: other load would stretch them
+
 NAME = builder_mod.AccoCPUOpBuilder.NAME
 
 

@@ -137,7 +137,7 @@ def test_recommended_blocks_initialize_and_refused_ones_are_refused_in_the_plans
     dense, moe = four_rank_plan(), four_rank_plan("--inter-bandwidth", "100mbit", "--active-params", "1m")
     picked = {"dense": row(dense), "moe": row(moe), "decoupled": row(dense, mode="decoupled")}
     refused = [r for r in moe["modes"] if r["refused"] and r["tp"] * r["pp"] == 1]  # the launch runs tp 1 x pp 1
-    assert (picked["dense"]["name"], picked["moe"]["name"]) == ("sparseloco", "dpu int8") and refused
+    assert (picked["dense"]["mode"], picked["moe"]["name"]) == ("sparseloco", "dpu int8") and refused
     assert all(r["refused"] is None for r in picked.values()), picked
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the launch's 4 ranks as the plan's 2 nodes of 2
 

@@ -14,6 +14,8 @@ from acco_ds.runtime.outer.decoupled import transport, wire
 from acco_ds.runtime.outer.decoupled.link import Heartbeat, Link
 from acco_ds.runtime.outer.decoupled.syncer import Shard
 
+pytestmark = pytest.mark.alone  # a silence of liveness_s measured against bounds of a few seconds
+
 SETTINGS = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True, merge="tokens", staleness="none", nesterov_delay=1)
 KEYS = transport.Keys(b"liveness tests: a secret of 32+ bytes")
 
