@@ -14,11 +14,11 @@ from .fault_tolerance import (LIGHTHOUSE_ENV, REPLICA_ENV, START_LIGHTHOUSE, Fau
                               lighthouse_problem)
 from .local_sgd import (EDIT_ONLY, LOCAL_SGD_MODES, OUTER_DEFAULTS, ROUND_MODES, SPARSE, STREAMING,
                         ACCOEmulationConfig, AnomalyConfig, CollectivesConfig, CompressionConfig, LocalSGDConfig,
-                        collectives_layout, collectives_problems, ranks_per_node, spans_nodes, unknown_keys)
+                        collectives_layout, ranks_per_node, spans_nodes, unknown_keys)
 
 __all__ = ["ACCO_KEY", "ACCOConfig", "ACCOEmulationConfig", "LocalSGDConfig", "AnomalyConfig", "CollectivesConfig",
            "CompressionConfig", "FaultToleranceConfig", "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS",
            "EDIT_ONLY", "STREAMING", "SPARSE", "parse_acco_config", "Layout", "refusals", "check",
            "check_deepspeed_config", "replica_group_size", "checkpoint_mismatch",
-           "ranks_per_node", "spans_nodes", "collectives_layout", "collectives_problems", "unknown_keys",
+           "ranks_per_node", "spans_nodes", "collectives_layout", "unknown_keys",
            "lighthouse_problem", "LIGHTHOUSE_ENV", "REPLICA_ENV", "START_LIGHTHOUSE"]

@@ -327,21 +327,6 @@ def unknown_keys(model, block: dict, prefix: str) -> list:
     return lines
 
 
-def collectives_problems(acco, world_size: int) -> list:
-    """What is wrong with ``acco.collectives`` on ``world_size`` ranks (one message per problem, naming the fix)."""
-    n = ranks_per_node(acco, world_size)
-    how = "acco.collectives.ranks_per_node" + ("" if acco.collectives.ranks_per_node else
-                                               ' ("auto": LOCAL_WORLD_SIZE or LOCAL_SIZE)')
-    if world_size % n:
-        return [f"{how} is {n}, which does not divide the world size {world_size}: set "
-                f"acco.collectives.ranks_per_node to the ranks on each node (a divisor of {world_size})"]
-    if acco.collectives.layout == "hierarchical" and not 1 < n < world_size:
-        return [f'acco.collectives.layout="hierarchical" needs more than one node of more than one rank, but '
-                f"{how} is {n} on {world_size} ranks ({world_size // n} node(s) of {n}): set "
-                f'acco.collectives.ranks_per_node, or layout "auto" or "flat"']
-    return []
-
-
 __all__ = ["LocalSGDConfig", "AnomalyConfig", "CollectivesConfig", "CompressionConfig", "ACCOEmulationConfig",
            "LOCAL_SGD_MODES", "ROUND_MODES", "OUTER_DEFAULTS", "EDIT_ONLY", "STREAMING", "ranks_per_node", "spans_nodes",
-           "collectives_layout", "collectives_problems", "unknown_keys"]
+           "collectives_layout", "unknown_keys"]
