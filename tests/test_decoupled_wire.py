@@ -164,7 +164,11 @@ def test_a_shard_merges_by_the_rule_and_refuses_bad_messages_without_changing(sh
     assert pa.version == pb.version == 1
     torch.testing.assert_close(pa.tensor.double(), rule.x, rtol=1e-6, atol=1e-6)
     assert torch.equal(pa.tensor, pb.tensor)
-    log = (tmp_path / "merges.jsonl").read_text().splitlines()
+    merges = tmp_path / "merges.jsonl"  # written on the shard's save thread, after the learners have θ_g
+    deadline = time.monotonic() + 30
+    while not (merges.exists() and merges.read_text().endswith("\n")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    log = merges.read_text().splitlines()
     assert len(log) == 1 and '"learners": [0, 1]' in log[0] and '"tokens": [1, 3]' in log[0]
     assert (tmp_path / "decisions.jsonl").read_text().count("\n") == 1
     # A learner that says DONE leaves the quorum: the other merges alone (K capped by the learners live).

@@ -2,14 +2,15 @@
 
 Worker ``gwN`` takes ports from its own block below the kernel's ephemeral range (32768-60999 here, which
 gloo's own connections use): the pytest process the first half of the block, the benchmark processes a test
-starts the second, so that no two processes that run at once can be handed the same port. Outside xdist the
-kernel picks a free ephemeral port. Used by ``tests/dist.py`` and ``benchmarks/harness.py``."""
+starts the second, so that no two processes that run at once can be handed the same port. Each port handed out
+keeps the ``STRIDE`` - 1 ports above it free, for servers that listen on port + j (the syncer's shard j).
+Outside xdist the kernel picks a free ephemeral port. Used by ``tests/dist.py`` and ``benchmarks/harness.py``."""
 
 import os
 import socket
 import sys
 
-PORT_BASE, PORT_BLOCK = 20000, 3000
+PORT_BASE, PORT_BLOCK, STRIDE = 20000, 3000, 8
 _next_port = None
 
 
@@ -23,10 +24,11 @@ def free_port() -> int:
             return s.getsockname()[1]
     half = PORT_BLOCK // 2
     low = PORT_BASE + int(worker[2:]) * PORT_BLOCK + (0 if "_pytest" in sys.modules else half)
+    slots = half // STRIDE
     if _next_port is None:
-        _next_port = int.from_bytes(os.urandom(2), "little") % half  # two runs on one machine rarely meet
-    for _ in range(half):
-        port, _next_port = low + _next_port, (_next_port + 1) % half
+        _next_port = int.from_bytes(os.urandom(2), "little") % slots  # two runs on one machine rarely meet
+    for _ in range(slots):
+        port, _next_port = low + STRIDE * _next_port, (_next_port + 1) % slots
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
