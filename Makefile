@@ -7,6 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STEPS  ?= 60
+WORKERS ?= 2
 # JIT-built ops (DeepSpeed's shared-memory op, its fused Adam) live beside the venv that built them: a shared
 # ~/.cache/torch_extensions would be rebuilt (a minute or more) whenever another checkout's venv ran last.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
@@ -37,13 +38,14 @@ demo: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config configs/acco_cpu.json --steps $(STEPS)
 
-# Two pytest-xdist workers, one per core; tests marked `alone` hold the machine to themselves (tests/conftest.py).
+# pytest-xdist workers (WORKERS, default 2: one per core); tests marked `alone` hold the machine to themselves
+# (tests/conftest.py).
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n 2 --dist loadgroup tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n $(WORKERS) --dist loadgroup tests
 
 # The fast subset (no multi-process training): under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -n 2 --dist loadgroup -m "not slow" tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -n $(WORKERS) --dist loadgroup -m "not slow" tests
 
 # The documentation site into site/: the config reference regenerated from the pydantic models first.
 docs: $(STAMP)
