@@ -55,8 +55,25 @@ def _one_machine(request):
         yield
 
 
+# The longest tests of a parallel run (40 s and more each in `make test`, docs/testing.md): started first, so
+# that none of them begins when only short tests are left to run beside it. A renamed test falls back to the
+# multi-process tests' order; nothing else depends on this list.
+LONGEST = ("test_exit.py::test_four_rank_diloco_launches_all_exit_zero",
+           "test_edit.py::test_edit_resume_is_exact_with_the_detector_state",
+           "test_examples_cleanup.py::test_the_fault_tolerance_example_leaves_nothing_running",
+           "test_edit.py::test_edit_matches_the_simulator_with_each_penalty_option",
+           "test_torch_host.py::test_a_checkpoint_of_another_layout_is_resharded_and_a_weights_only_load",
+           "test_docs.py::test_example_launch_runs_as_written",
+           "test_stress_reads.py::test_adaptive_reads_never_hang_under_load",
+           "test_faults.py::test_checkpoint_from_other_settings",
+           "test_gpu_check.py::test_gpu_check_cpu_dry_run")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Multi-process (``slow``) tests first: a worker that ends its last long test has the short ones left to
-    fill the time while the other worker ends its own, instead of one long test running alone at the end.
-    Both workers collect in this order (xdist checks that they agree)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first, then the other multi-process (``slow``) ones, then the rest: a worker that ends
+    its last long test has short ones left to fill the time while the other worker ends its own, instead of one
+    long test running alone at the end. Both workers collect in this order (xdist checks that they agree)."""
+    def order(item):
+        name = item.nodeid.split("/")[-1].split("[")[0]
+        return (0, LONGEST.index(name)) if name in LONGEST else (1 if item.get_closest_marker("slow") else 2, 0)
+    items.sort(key=order)
