@@ -15,7 +15,7 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError, model_valida
 
 from .fault_tolerance import FaultToleranceConfig
 from .moe import MOE_MODES  # noqa: F401 - re-exported
-from .rulebook import refusals
+from .rulebook import refusals, replica_group_size
 from .decoupled import check_decoupled
 from .local_sgd import (EDIT_ONLY, LOCAL_SGD_MODES, ACCOEmulationConfig, CollectivesConfig, CompressionConfig,
                         LocalSGDConfig, _Documented, unknown_keys)
@@ -226,8 +226,28 @@ def check_deepspeed_config(acco: ACCOConfig, ds_config, layout, *, client_optimi
     if not client_optimizer and ds_config.optimizer_name is None:
         problems.append('ACCO needs an optimizer: add "optimizer": {"type": "AdamW", "params": {...}} to the '
                         'DeepSpeed config or pass optimizer= to initialize')
+    problems += _muon_rules(acco, ds_config, layout)
     if problems:
         raise ValueError("ACCO cannot run with this DeepSpeed config:\n  - " + "\n  - ".join(problems))
+
+
+def _muon_rules(acco: ACCOConfig, ds_config, layout) -> list:
+    """Muon (``acco_ds.runtime.outer.inner_muon``) is the inner optimizer of a local-SGD mode whose replica is
+    one rank: its inner step needs every weight matrix whole, and it has no Peek."""
+    if str(ds_config.optimizer_name).lower() != "muon":
+        return []
+    out = []
+    if acco.mode not in LOCAL_SGD_MODES or acco.mode == "decoupled":
+        out.append(f'optimizer "Muon" runs as the inner optimizer of diloco, co2, edit and sparseloco, not in mode '
+                   f'"{acco.mode}": use "AdamW" there, or set "acco": {{"mode": "diloco", ...}}')
+    elif replica_group_size(acco, layout) != 1:
+        out.append(f'optimizer "Muon" needs every weight matrix whole on its rank, but a replica is '
+                   f'{replica_group_size(acco, layout)} ranks whose ZeRO-1 partitions cut the matrices: set '
+                   f'"local_sgd": {{"replica_group_size": 1}}')
+    if (ds_config.optimizer_params or {}).get("per_head_muon"):
+        out.append('per_head_muon is not supported by acco_ds\'s Muon (each matrix is orthogonalized whole): '
+                   'remove "per_head_muon" from the optimizer params')
+    return out
 
 
 def checkpoint_mismatch(what: str, saved, now, replicas: bool = False) -> ValueError:

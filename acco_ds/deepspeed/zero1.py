@@ -24,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import ACCOConfig
+from ..runtime.outer.inner_muon import MuonShardUpdate, is_muon
 from ..runtime.rounds.driver import RoundDriver
 from ..runtime.rounds.job import CommResult
 from . import checkpoint, moe
@@ -68,6 +69,9 @@ class ACCOZeroOptimizer(RoundDriver, DeepSpeedZeroOptimizer):
                           fused_adamw=fused_adamw(self.optimizer), norm_segments=self.norm_segments,
                           expert_groups=expert_groups)
         self._flat_place = {id(p): (i, offset) for i, group_params in enumerate(params) for p, offset in group_params}
+        if is_muon(self.optimizer):  # DeepSpeed's MuonWithAuxAdam: whole matrices on a one-rank inner group
+            self.update = MuonShardUpdate(self.optimizer, self.single_partition_of_fp32_groups, self.kernels, params,
+                                          adam_w_mode=bool(getattr(self.optimizer, "adam_w_mode", True)))
 
     def _expert_groups(self, timeout_s: float):
         """Mixture of experts: per parameter group, None (dense) or the expert-data-parallel group ZeRO-1
