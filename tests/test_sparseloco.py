@@ -11,6 +11,7 @@ import torch
 
 import common
 from acco_ds.config import LocalSGDConfig, parse_acco_config
+from acco_ds.memory import estimate_memory, outer_state_bytes
 from acco_ds.ops.reference import chunk_offsets, sparse_payload_bytes
 from acco_ds.runtime.outer.chunks import chunk_plan
 from acco_ds.testing.sparseloco import simulate_sparseloco
@@ -103,6 +104,16 @@ def test_two_replicas_of_one_rank_match_the_simulator():
         blocking, zero = results[rank][0], results[rank][3]
         for a, b in zip(blocking["params"] + blocking["committed"], zero["params"] + zero["committed"]):
             assert torch.equal(a, b)
+    # the memory estimate of the outer state is what the loop held at its peak (a sync's average beside the
+    # anchor and error; overlapped: also the weights at the sync, 4N/k more, until the gather lands)
+    for i, sparse in enumerate(cases + [dict(CASES[0], overlap=0)]):
+        for rank in range(2):
+            r = results[rank][i]
+            held = r["stats"]["outer_state_peak_bytes"]
+            numel = r["group_numels"][0]
+            assert held == outer_state_bytes(numel, 1, "sparseloco", overlap=sparse.get("overlap", 0)), (i, held)
+    assert results[0][2]["stats"]["outer_state_peak_bytes"] - results[0][0]["stats"]["outer_state_peak_bytes"] == \
+        4 * results[0][0]["group_numels"][0]
     # the overlapped rule is not the blocking one: after the first sync the replica is still on its own weights
     blocking = reference(2, 1, **dict(OVERLAP[1], overlap=0))
     assert (results[0][2]["params"][1] - blocking["replicas"][0][1]).abs().max() > 1e-4
@@ -257,3 +268,17 @@ def test_the_torch_host_on_plain_modules_and_fsdp2_matches_the_simulator():
             assert_matches(r["params"], ref["replicas"][rank // 2])
             assert_matches(r["committed"], ref["anchor"])
             assert torch.equal(r["final_params"], results[0][i]["final_params"])
+
+
+def test_the_memory_estimate_counts_the_weights_an_overlapped_sync_keeps():
+    """``overlap`` > 0 keeps each rank's weights at the sync (one fp32 partition, 4N/k) while the gather is in
+    flight; the estimate adds them, and refuses an overlap outside sparseloco."""
+    from acco_ds.runtime.rounds.buffers import padded_numel
+    n, gpus, k = 10_000_000, 8, 2
+    blocking = estimate_memory(params=n, gpus=gpus, mode="sparseloco", replica_group_size=k, verbose=False)
+    for overlap in (1, 3):
+        est = estimate_memory(params=n, gpus=gpus, mode="sparseloco", replica_group_size=k, overlap=overlap,
+                              verbose=False)
+        assert est["acco_bytes"] - blocking["acco_bytes"] == 4 * padded_numel(n, k) // k
+    with pytest.raises(ValueError, match="overlap=1: local_sgd.overlap is sparseloco's"):
+        estimate_memory(params=n, gpus=gpus, mode="diloco", replica_group_size=k, overlap=1, verbose=False)

@@ -18,6 +18,8 @@ def main(argv=None) -> int:
                    default="acco")
     p.add_argument("--replica-group-size", type=int, default=None, help="k, for --mode diloco/co2/edit (default 1)")
     p.add_argument("--fragments", type=int, default=1, help="--mode diloco: Streaming DiLoCo fragments (F)")
+    p.add_argument("--overlap", type=int, default=0, help="--mode sparseloco: local_sgd.overlap (the weights at "
+                   "the sync are kept while the gather is in flight: 4N/k more)")
     p.add_argument("--compression", choices=["int8", "fp8"], default=None,
                    help="acco.compression.dtype (error-feedback residuals are counted)")
     p.add_argument("--residual-dtype", choices=["fp32", "bf16"], default="fp32")
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
     estimate_memory(params=int(args.params), gpus=args.gpus, dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
                     communication_data_type=args.communication_data_type, mode=args.mode,
                     replica_group_size=args.replica_group_size, budget_gb=args.budget_gb, nodes=args.nodes,
-                    fragments=args.fragments, expert_params=int(args.expert_params), ep_size=args.ep_size,
+                    fragments=args.fragments, overlap=args.overlap, expert_params=int(args.expert_params), ep_size=args.ep_size,
                     compression={"dtype": args.compression, "residual_dtype": args.residual_dtype}
                     if args.compression else None)
     return 0

@@ -70,12 +70,15 @@ def outer_residual_bytes(numel: int, group_size: int, replicas: int, compression
     return replicas * -(-shard // replicas) * _size(dtype)
 
 
-def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1) -> int:
+def outer_state_bytes(numel: int, group_size: int, mode: str, fragments: int = 1, overlap: int = 0) -> int:
     """Local-SGD modes: fp32 shards of the anchor and outer momentum (``co2``: also the period start and the
     in-flight pseudo-gradient; ``sparseloco``: the anchor and the error-feedback buffer, no momentum), plus the
     pseudo-gradient computed at a sync (``edit`` keeps that one: its outer step runs during the next forward;
-    Streaming DiLoCo with F ``fragments``: one fragment's, 1/F; ``sparseloco``: the averaged update)."""
-    shards = 2 + (2 if mode == "co2" else 0)
+    Streaming DiLoCo with F ``fragments``: one fragment's, 1/F; ``sparseloco``: the averaged update).
+    ``sparseloco`` with ``overlap`` > 0 (``local_sgd.overlap``): while the gather is in flight each rank also
+    keeps its weights at the sync (``runtime/outer/sparse_overlap.py``, θ_sent), one more fp32 shard, held
+    beside the average when it lands."""
+    shards = 2 + (2 if mode == "co2" else 0) + (1 if mode == "sparseloco" and overlap > 0 else 0)
     return shards * 4 * numel // group_size + 4 * numel // group_size // fragments
 
 
@@ -85,7 +88,7 @@ LOCAL = ("diloco", "co2", "edit", "sparseloco")  # modes that shard ZeRO-1 over 
 def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[int, float, None] = None, gpus: int = 1,
                     dtype="bf16", grad_accum_dtype=None, communication_data_type=None, mode: str = "acco",
                     replica_group_size: Optional[int] = None, fragments: int = 1, compression: Optional[dict] = None,
-                    nodes: Optional[int] = None, budget_gb: float = 80.0, verbose: bool = True,
+                    nodes: Optional[int] = None, overlap: int = 0, budget_gb: float = 80.0, verbose: bool = True,
                     expert_params: Union[int, float] = 0, ep_size: int = 1) -> dict:
     """Model-state bytes per rank for stock ZeRO-1 and ACCO.
 
@@ -107,6 +110,8 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
         nodes: nodes of a node-aware layout (None: flat collectives).
         fragments: ``diloco`` with Streaming DiLoCo's ``local_sgd.fragments``: the pseudo-gradient in flight
             is one fragment's (4N/(kF) instead of 4N/k).
+        overlap: ``sparseloco`` with ``local_sgd.overlap`` > 0: the weights at the sync kept while the gather
+            is in flight, 4N/k more.
         budget_gb: printed beside the figures (fits / does not fit).
         expert_params: mixture of experts: how many of the parameters are experts' (all experts of every MoE
             layer, N_e; the rest are dense). Each rank holds N_e / ``ep_size`` of them, partitioned over the
@@ -121,11 +126,15 @@ def estimate_memory(model: Optional[torch.nn.Module] = None, *, params: Union[in
     n = sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else int(params)
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if overlap < 0 or (overlap and mode != "sparseloco"):
+        raise ValueError(f"overlap={overlap}: local_sgd.overlap is sparseloco's (a number of inner steps >= 0), "
+                         f"not mode {mode!r}'s; leave overlap at 0 or set mode='sparseloco'")
     if model is not None:
         local = sum(p.numel() for p in model.parameters() if p.requires_grad and getattr(p, "allreduce", True) is False)
         n, expert_params = n - local + local * ep_size, local * ep_size
     settings = dict(dtype=dtype, grad_accum_dtype=grad_accum_dtype, communication_data_type=communication_data_type,
-                    mode=mode, replica_group_size=replica_group_size, fragments=fragments, compression=compression)
+                    mode=mode, replica_group_size=replica_group_size, fragments=fragments, compression=compression,
+                    overlap=overlap)
     n_e = int(expert_params)
     if n_e:
         stock, acco = _with_experts(n, n_e, ep_size, gpus, nodes, settings)
@@ -155,7 +164,7 @@ def _with_experts(n: int, n_e: int, ep_size: int, gpus: int, nodes, settings: di
 
 
 def _dense(n: int, gpus: int, nodes, *, dtype, grad_accum_dtype, communication_data_type, mode, replica_group_size,
-           fragments, compression) -> tuple:
+           fragments, compression, overlap=0) -> tuple:
     """(stock ZeRO-1, acco_ds) model-state bytes per rank of ``n`` dense parameters on ``gpus`` ranks."""
     model_dt = _dtype(dtype)
     accum = _dtype(grad_accum_dtype) if grad_accum_dtype is not None else model_dt
@@ -169,7 +178,7 @@ def _dense(n: int, gpus: int, nodes, *, dtype, grad_accum_dtype, communication_d
     if gpus % k or k == gpus:
         raise ValueError(f"replica_group_size {k} must divide gpus={gpus} and be smaller (at least 2 replicas)")
     local = padded_numel(n, k)
-    return stock, (b * local + 12 * local // k + outer_state_bytes(local, k, mode, fragments)
+    return stock, (b * local + 12 * local // k + outer_state_bytes(local, k, mode, fragments, overlap)
                    + acco_buffer_bytes(local, k, model_dt, accum, communication_data_type, "sync", compression,
                                        nodes if nodes and nodes < gpus // k else None)
                    + outer_residual_bytes(local, k, gpus // k, compression))

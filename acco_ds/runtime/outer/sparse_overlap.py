@@ -101,6 +101,7 @@ class SparseOverlap:
         gathered = self.transport.worker.wait()
         self.outer_wait_s += time.perf_counter() - t0
         f["avg"] = [self._average_group(plan, g, peers) for plan, g, peers in zip(self.plans, gathered, self.peers)]
+        self.note_state(f["sent"] + f["avg"])  # the peak: θ_sent and the average beside the anchor and error
         # what this rank handed to the gathers: its length (8 bytes) and its bytes padded to the longest
         self.transport.bytes += sum(8 + max(b.numel() for b in g) for g in gathered if g is not None)
         self.outer_comm_s += time.perf_counter() - t0
@@ -153,6 +154,8 @@ class SparseOverlap:
             self.transport.worker.wait()
         self.flight = None if saved is None else {"left": saved["left"], "sent": [t.clone() for t in saved["sent"]],
                                                   "avg": [t.clone() for t in saved["avg"]]}
+        if self.flight is not None:
+            self.note_state(self.flight["sent"] + self.flight["avg"])
 
 
 def _gather_bytes(wire: torch.Tensor, group) -> List[torch.Tensor]:

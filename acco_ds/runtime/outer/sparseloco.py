@@ -84,6 +84,7 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
         self.owned = sum(int(o[-1]) for o in mine)  # elements in this rank's chunks
         self.boundary_bytes = 0  # bytes this rank sent to its replica's ranks for straddling chunks
         self.residual_norm: Optional[float] = None  # ‖e‖ of this replica after the last sync
+        self.state_peak_bytes = 0  # most bytes of fp32 outer state held at once (anchor, error, sync temporaries)
 
     @property
     def overlapped(self) -> bool:
@@ -153,6 +154,7 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
         else:
             average = [self._sync_group(plan, e, weight, peers)
                        for plan, e, peers in zip(self.plans, self.error, self.peers)]
+        self.note_state(average)
         committed = self.transport.commit()
         if ft and (not committed or weight == 0):
             for e, b in zip(self.error, before):
@@ -167,6 +169,13 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
         self.outer_comm_s += seconds
         self.outer_wait_s += seconds
         return committed
+
+    def note_state(self, held: List[torch.Tensor]) -> None:
+        """Measure the outer state held now: the anchor and error shards plus ``held`` (a sync's average; an
+        overlapped sync's weights at the sync and average), by the storage each tensor keeps alive."""
+        tensors = [*self.anchor, *self.error, *held]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self.state_peak_bytes = max(self.state_peak_bytes, sum(storages.values()))
 
     def refuse_non_finite(self, e: torch.Tensor, i: int) -> None:
         if not bool(torch.isfinite(e).all()):
@@ -276,7 +285,8 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
                  sparse_payload_bytes=self.payload, sparse_wire_bytes=self.wire_bytes,
                  sparse_entropy_coding=self.coding, sparse_dense_bytes=4 * self.owned,
                  sparse_boundary_bytes=self.boundary_bytes, sparse_residual_norm=self.residual_norm,
-                 outer_residual_bytes=sum(e.numel() * e.element_size() for e in self.error))
+                 outer_residual_bytes=sum(e.numel() * e.element_size() for e in self.error),
+                 outer_state_peak_bytes=self.state_peak_bytes)
         return s
 
 
