@@ -41,11 +41,11 @@ demo: $(STAMP)
 # pytest-xdist workers (WORKERS, default 2: one per core); tests marked `alone` hold the machine to themselves
 # (tests/conftest.py).
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n $(WORKERS) --dist loadgroup tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # The fast subset (no multi-process training): under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -n $(WORKERS) --dist loadgroup -m "not slow" tests
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 300 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow" tests
 
 # The documentation site into site/: the config reference regenerated from the pydantic models first.
 docs: $(STAMP)

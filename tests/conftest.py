@@ -1,18 +1,30 @@
 """The suite runs on both cores: ``make test`` starts two pytest-xdist workers (``-n 2 --dist loadgroup``).
 
-Tests marked ``alone`` (timing, bandwidth, network namespaces: they need the machine to themselves) hold an
-exclusive lock while they run; every other test holds a shared one. A turnstile in front of the shared lock
-lets a waiting ``alone`` test in as soon as the other worker's current test ends, so it never waits behind a
-queue of them. Ports (``dist.free_port``) come from a block of the worker's own; temporary folders from
-pytest's ``tmp_path``, which is per worker too."""
+Order. Tests start longest first (their wall times in a parallel run are kept in ``tests/durations.json``), so
+that the run ends on short tests on both workers instead of one long test beside an idle core. Multi-process
+(``slow``) tests go first, then the ``alone`` tests, then the single-process rest.
+
+Tests marked ``alone`` (timing bounds of a few seconds that other multi-process load would stretch) form one
+xdist group, run one after another by one worker, while the other worker runs the single-process tests. An
+``alone`` test holds an exclusive lock, every ``slow`` test a shared one, so an ``alone`` test never overlaps a
+multi-process test; a turnstile in front of the shared lock lets a waiting ``alone`` test in as soon as the
+other worker's current test ends. Single-process tests take no lock: one process on one core leaves the other
+core to the ``alone`` test. Ports (``dist.free_port``) come from a block of the worker's own, temporary folders
+from pytest's ``tmp_path``, which is per worker too.
+
+``ACCO_DS_STORE_DURATIONS=1 make test`` rewrites ``tests/durations.json`` from the run."""
 
 import fcntl
+import json
 import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.5  # a test not in the table yet: a typical one of its kind
 
 
 @contextmanager
@@ -27,7 +39,7 @@ def _flock(path: Path, mode: int):
 
 @contextmanager
 def machine_share(run: str, alone: bool):
-    """Hold this run's machine lock: exclusive for an ``alone`` test, shared for the rest."""
+    """Hold this run's machine lock: exclusive for an ``alone`` test, shared for a multi-process one."""
     folder = Path(tempfile.gettempdir())
     turnstile, machine = (folder / f"acco_ds_tests_{run}.{name}" for name in ("turnstile", "lock"))
     if alone:
@@ -46,34 +58,48 @@ def machine_share(run: str, alone: bool):
 
 @pytest.fixture(autouse=True)
 def _one_machine(request):
-    """Under xdist: the machine lock around each test (setup, call and teardown)."""
+    """Under xdist: the machine lock around each ``alone`` or ``slow`` test (setup, call and teardown)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
+    alone = request.node.get_closest_marker("alone") is not None
+    if not run or not (alone or request.node.get_closest_marker("slow")):
         yield
         return
-    with machine_share(run, request.node.get_closest_marker("alone") is not None):
+    with machine_share(run, alone):
         yield
 
 
-# The longest tests of a parallel run (40 s and more each in `make test`, docs/testing.md): started first, so
-# that none of them begins when only short tests are left to run beside it. A renamed test falls back to the
-# multi-process tests' order; nothing else depends on this list.
-LONGEST = ("test_exit.py::test_four_rank_diloco_launches_all_exit_zero",
-           "test_edit.py::test_edit_resume_is_exact_with_the_detector_state",
-           "test_examples_cleanup.py::test_the_fault_tolerance_example_leaves_nothing_running",
-           "test_edit.py::test_edit_matches_the_simulator_with_each_penalty_option",
-           "test_torch_host.py::test_a_checkpoint_of_another_layout_is_resharded_and_a_weights_only_load",
-           "test_docs.py::test_example_launch_runs_as_written",
-           "test_stress_reads.py::test_adaptive_reads_never_hang_under_load",
-           "test_faults.py::test_checkpoint_from_other_settings",
-           "test_gpu_check.py::test_gpu_check_cpu_dry_run")
+def _key(nodeid: str) -> str:
+    return nodeid.split("@")[0]  # xdist appends "@group" under --dist loadgroup
+
+
+def pytest_itemcollected(item):
+    """The ``alone`` tests form one xdist group (marked at collection, before xdist reads the groups)."""
+    if item.get_closest_marker("alone"):
+        item.add_marker(pytest.mark.xdist_group("alone"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first, then the other multi-process (``slow``) ones, then the rest: a worker that ends
-    its last long test has short ones left to fill the time while the other worker ends its own, instead of one
-    long test running alone at the end. Both workers collect in this order (xdist checks that they agree)."""
+    """Order: ``slow`` tests, the ``alone`` group, the rest; longest first within each. Both workers collect in
+    this order (xdist checks that they agree)."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
     def order(item):
-        name = item.nodeid.split("/")[-1].split("[")[0]
-        return (0, LONGEST.index(name)) if name in LONGEST else (1 if item.get_closest_marker("slow") else 2, 0)
+        kind = 1 if item.get_closest_marker("alone") else 0 if item.get_closest_marker("slow") else 2
+        default = UNKNOWN_FAST_S if kind == 2 else UNKNOWN_SLOW_S
+        return kind, -seconds.get(_key(item.nodeid), default)
     items.sort(key=order)
+
+
+_took: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's wall time (setup, call and teardown), for ``ACCO_DS_STORE_DURATIONS``."""
+    _took[_key(report.nodeid)] = _took.get(_key(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("ACCO_DS_STORE_DURATIONS") != "1" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    table = {nodeid: round(s, 1) for nodeid, s in sorted(_took.items()) if s >= 0.5}
+    DURATIONS.write_text(json.dumps(table, indent=0, sort_keys=True) + "\n")
