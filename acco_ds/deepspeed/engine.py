@@ -308,8 +308,9 @@ def _check_config(acco, config_class, kwargs: dict, client_optimizer: bool):
 def _replica_layout(engine, acco):
     """The local-SGD modes' replica groups (None in the round modes) and, for a model with MoE layers, each
     expert group's expert-data-parallel group inside the replica (None: DeepSpeed's own groups)."""
+    ep_sizes = moe.ep_sizes(engine)
     layout = launch_layout(engine.module, engine.mpu, gas=engine.gradient_accumulation_steps(),
-                           ep_sizes=tuple(moe.ep_sizes(engine).values()))
+                           ep_sizes=tuple(ep_sizes.values()))
     check(acco, layout)  # experts as the engine made them (AutoEP swaps its layers in during initialize)
     if not needs_replicas(acco.mode):
         return None, None
@@ -319,7 +320,7 @@ def _replica_layout(engine, acco):
     dp_groups = every_group(engine.seq_data_parallel_group)
     k = replica_group_size(acco, layout)
     groups = make_groups(dp_groups, k, acco.timeout_s)
-    experts = moe.replica_expert_groups(engine, dp_groups, k, acco.timeout_s) if moe.ep_sizes(engine) else None
+    experts = moe.replica_expert_groups(engine, dp_groups, k, acco.timeout_s) if ep_sizes else None
     return groups, experts
 
 
