@@ -160,3 +160,20 @@ def test_muon_on_replicas_of_several_ranks_and_per_head_muon_are_refused_naming_
     one = ACCOConfig(enabled=True, mode="diloco", local_sgd={"sync_every": H, "replica_group_size": 1})
     assert ['remove "per_head_muon"' in p for p in _muon_rules(one, per_head, Layout(world=4))] == [True]
     assert _muon_rules(acco, SimpleNamespace(optimizer_name="adamw", optimizer_params={}), Layout(world=4)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_with_muon_is_exact(tmp_path):
+    """The Muon momentum and the AdamW moments travel in DeepSpeed's checkpoint: saved mid-period (step 4 of
+    periods of 3), fresh processes load and go on bit-identical to the uninterrupted run."""
+    cfg, path, stop = muon_config("diloco"), str(tmp_path / "ckpt"), 4
+    full = launch({"runs": [dict(config=cfg, steps=STEPS), dict(config=cfg, steps=100, max_micro=GAS * stop,
+                                                                 save=path)]}, world_size=2, timeout=200)
+    resumed = launch({"runs": [dict(config=cfg, steps=STEPS, load=path)]}, world_size=2, timeout=200)
+    for rank in range(2):
+        r, want = resumed[rank][0], full[rank][0]
+        assert r["loaded"]["global_steps"] == stop
+        assert len(r["params"]) == STEPS - stop
+        for got, expect in zip(r["params"], want["params"][stop:]):
+            assert torch.equal(got, expect), (rank, (got - expect).abs().max())
