@@ -1,6 +1,6 @@
 """Muon as the inner optimizer of the local-SGD modes (``"optimizer": {"type": "Muon", ...}``).
 
-Muon (Keller Jordan, 2024) orthogonalizes the update of each 2-D weight matrix with a Newton-Schulz
+Muon orthogonalizes the update of each 2-D weight matrix with a Newton-Schulz
 iteration, so it needs every matrix whole. DeepSpeed's ZeRO-1 (``stage_1_and_2._muon_all_gather_partitions``)
 gathers the slices of each Muon matrix to the ranks whose partitions hold part of it; acco_ds runs Muon where
 the inner ZeRO-1 group is one rank (``local_sgd.replica_group_size = 1``, DiLoCo as published): that rank's
