@@ -76,10 +76,15 @@ def test_compression_of_the_inner_steps_or_the_up_link_is_accepted():
         "on: the up-link to the syncer (each learner's pseudo-gradient)")
 
 
-def test_tensor_and_pipeline_parallel_layouts_are_refused_by_name():
+def test_a_learner_says_its_shape_in_one_hello_name():
+    """``dp{k}.tp{tp}.pp{pp}.ep{ep}.n{elements}``: the characters a wire name may hold, within its 64 bytes."""
     from types import SimpleNamespace
 
-    from acco_ds.config.decoupled import check_decoupled_layout
-    check_decoupled_layout(SimpleNamespace(model_main=None))
-    with pytest.raises(ValueError, match='acco.mode "decoupled" does not support tensor or pipeline parallelism'):
-        check_decoupled_layout(SimpleNamespace(model_main=object()))
+    from acco_ds.config.decoupled import layout_name
+    from acco_ds.runtime.outer.decoupled import wire
+    groups = SimpleNamespace(k=2, tensor_parallel=2)
+    name = layout_name(groups, 4, SimpleNamespace(gather=None), 10**12)
+    assert name == "dp2.tp2.pp2.ep1.n1000000000000"
+    assert len(name) <= wire.MAX_NAME and all(c in wire.NAME_CHARS for c in name.encode())
+    assert layout_name(SimpleNamespace(k=1, tensor_parallel=1), 1, SimpleNamespace(gather=[None]), 7) == \
+        "dp1.tp1.pp1.ep1.n7"

@@ -534,6 +534,17 @@ def test_decoupled_row(capsys):
     assert rows["decoupled"]["acco"]["mode"] == "decoupled" and rows["decoupled"]["sync_every"] is not None
 
 
+def test_decoupled_rows_take_model_parallel_and_expert_layouts(capsys):
+    """Decoupled learners run tensor and pipeline parallelism and experts inside a learner: a 70B plan that needs
+    tp x pp > 1 to fit gets a decoupled row that fits and is not refused, and so does a MoE plan."""
+    plan = plan_of(capsys, *SEVENTY_B, *SHAPE_70B, "--gpu-memory", "80gb")
+    row = next(r for r in plan["modes"] if r["acco"].get("mode") == "decoupled")
+    assert row["refused"] is None and row["fits"] and row["tp"] * row["pp"] > 1, row
+    moe = plan_of(capsys, *SEVEN_B, "--inter-bandwidth", "1gbit", "--active-params", "1e9")
+    row = next(r for r in moe["modes"] if r["acco"].get("mode") == "decoupled")
+    assert row["refused"] is None, row
+
+
 def test_sparseloco_overlap_hides_the_sync_behind_n_inner_steps(capsys):
     """``"overlap": N``: the sparse all-gather runs beside the next N inner steps; the row's block says N."""
     inp = pm.Inputs(params=int(1e9), tokens_per_step=1e6, nodes=2, ranks_per_node=1, rank_flops=100e12,

@@ -38,9 +38,13 @@ def block(**acco):
      'acco.accumulation="adaptive" cannot run with expert parallelism (ep_size 2)'),
     (dict(mode="diloco", local_sgd={"replica_group_size": 1}), Layout(world=4, moe=True, ep_sizes=(2,)),
      "ep_size 2 does not divide acco.local_sgd.replica_group_size 1"),
-    (dict(mode="decoupled"), Layout(world=4, moe=True), 'acco.mode="decoupled" does not support MoE layers'),
-    (dict(mode="decoupled"), Layout(world=8, ranks_per_node=4, pp=2),
-     'acco.mode "decoupled" does not support tensor or pipeline parallelism yet (tp 1 x pp 2)'),
+    (dict(mode="decoupled"), Layout(world=4, moe=True, ep_sizes=(2,)), None),  # a learner of 4 holds ep_size 2
+    (dict(mode="decoupled", local_sgd={"replica_group_size": 1}), Layout(world=4, moe=True, ep_sizes=(2,)),
+     "ep_size 2 does not divide acco.local_sgd.replica_group_size 1"),
+    (dict(mode="decoupled"), Layout(world=8, ranks_per_node=4, pp=2), None),  # learners of 2 stages x 2 ranks
+    (dict(mode="decoupled"), Layout(world=8, ranks_per_node=4, tp=2, pp=2), None),
+    (dict(mode="decoupled"), Layout(world=8, ranks_per_node=4, tp=2, moe=True, ep_sizes=(2,)),
+     "ACCO with MoE layers does not support tensor or pipeline parallelism (tp 2 x pp 1)"),
     (dict(mode="sparseloco"), Layout(world=16, ranks_per_node=4, tp=2, pp=2),
      'acco.mode "sparseloco" runs tensor or pipeline parallelism, not both'),
     (dict(mode="acco"), Layout(world=2, host="fsdp2", micro_batches=2), 'mode "acco" does not run on an FSDP2 model'),

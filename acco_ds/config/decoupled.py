@@ -143,13 +143,29 @@ def check_decoupled(acco) -> None:
                          'acco.local_sgd.syncer.address to run one launch per learner)')
 
 
-def check_decoupled_layout(groups) -> None:
-    """Refuse what a decoupled learner cannot run on: tensor and pipeline parallelism (``groups``: the host's
-    ``ReplicaGroups``)."""
-    if groups.model_main is not None:
-        raise ValueError('acco.mode "decoupled" does not support tensor or pipeline parallelism yet: each learner '
-                         'rank sends its ZeRO-1 shard of the whole model to one syncer shard. Train with tensor and '
-                         'pipeline parallel size 1, or use mode "diloco"')
+def layout_name(groups, mp: int, shards, numel: int) -> str:
+    """A learner's shape as its ranks say it at HELLO (``dp2.tp1.pp1.ep2.n1234``): data-parallel ranks ``k``,
+    tensor-parallel and pipeline sizes, the largest expert-parallel size inside it, and the elements of this rank's
+    slice. ``groups``: the host's ``ReplicaGroups``; ``mp``: its model-parallel size; ``shards``: its ``Shards``."""
+    import torch.distributed as tdist
+    tp = groups.tensor_parallel if mp > 1 else 1
+    ep = max([groups.k // tdist.get_world_size(group=g[1]) for g in (shards.gather or []) if g is not None],
+             default=1)
+    return f"dp{groups.k}.tp{tp}.pp{mp // tp}.ep{ep}.n{numel}"
+
+
+def _shape_words(name: str) -> str:
+    dp, tp, pp, ep, n = name.split(".")
+    return (f"{dp[2:]} data-parallel rank(s) x tensor parallel {tp[2:]} x pipeline {pp[2:]}, expert parallel "
+            f"{ep[2:]} ({n[1:]} elements at this rank)")
+
+
+def shape_refusal(learner: int, name: str, first: str, first_learner: int) -> str:
+    """What a syncer shard answers a learner whose shape is not the first learner's (``layout_name``)."""
+    return (f'acco.mode "decoupled": learner {learner} runs as {_shape_words(name)}, but learner {first_learner} '
+            f"as {_shape_words(first)}. The syncer shards by learner rank (shard j holds rank j's slice of every "
+            f"learner's model), so learners of different shapes cannot share it: launch every learner with the same "
+            f"replica_group_size, tensor, pipeline and expert-parallel sizes, or give this one a syncer of its own")
 
 
 def learner_launch_size(acco, world_size: int) -> Optional[int]:
@@ -161,5 +177,5 @@ def learner_launch_size(acco, world_size: int) -> Optional[int]:
     return None
 
 
-__all__ = ["SyncerConfig", "DecoupledKeys", "learner_launch_size", "check_decoupled", "check_decoupled_layout",
+__all__ = ["SyncerConfig", "DecoupledKeys", "learner_launch_size", "check_decoupled", "layout_name", "shape_refusal",
            "DECOUPLED", "DECOUPLED_ONLY", "NOT_DECOUPLED"]

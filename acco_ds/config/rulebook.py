@@ -14,6 +14,8 @@ checks them when it builds the piece they are about:
 - a tensor-parallel parameter without Megatron's ``partition_dim`` under sparseloco (``runtime/outer/sparse_tp.py``);
 - a Streaming DiLoCo fragment that gets no parameter (``runtime/outer/streaming.py``);
 - an expert-parallel group that crosses a replica, outside DeepSpeed's default expert layout (``deepspeed/moe.py``);
+- decoupled learners of different shapes on one syncer (the first learner's shape holds; a shard refuses another
+  at HELLO: ``runtime/outer/decoupled/handlers.py``, ``config/decoupled.shape_refusal``);
 - a checkpoint saved on another layout, mode or ``ep_size`` (``deepspeed/checkpoint.py``, ``runtime/reshard.py``);
 - the torch host's model and optimizer themselves (``acco_ds/torch/__init__.py``);
 - DeepSpeed's own settings beside the block (ZeRO stage, offload, ZenFlow: ``check_deepspeed_config``).
@@ -162,9 +164,9 @@ def _model_rules(acco, layout: Layout, ds_config: Optional[dict]) -> List[str]:
 
 
 def _expert_rules(acco, layout: Layout) -> List[str]:
-    """Experts train in the modes whose collectives know expert groups, over data-parallel ranks only (no
-    tensor or pipeline parallelism beside them), in fixed accumulation when split across ranks, and inside a
-    replica in the local-SGD modes."""
+    """Experts train in the modes whose collectives know expert groups (decoupled learners included), over
+    data-parallel ranks only (no tensor or pipeline parallelism beside them), in fixed accumulation when split
+    across ranks, and inside a replica (a decoupled learner) in the local-SGD modes."""
     if not layout.moe:
         return []
     out, ep = [], max(layout.ep_sizes, default=1)
@@ -190,13 +192,8 @@ def _expert_rules(acco, layout: Layout) -> List[str]:
 
 
 def _parallel_rules(acco, layout: Layout) -> List[str]:
-    """decoupled learners hold whole model copies per rank; sparseloco runs tensor or pipeline parallelism,
-    not both."""
+    """sparseloco runs tensor or pipeline parallelism, not both."""
     out = []
-    if acco.mode == "decoupled" and layout.tp * layout.pp > 1:
-        out.append(f'acco.mode "decoupled" does not support tensor or pipeline parallelism yet (tp {layout.tp} x pp '
-                   f'{layout.pp}): each learner rank sends its ZeRO-1 shard of the whole model to one syncer shard. '
-                   f'Train with tensor and pipeline parallel size 1, or use mode "diloco"')
     if acco.mode == "sparseloco" and layout.tp > 1 and layout.pp > 1:
         out.append(f'acco.mode "sparseloco" runs tensor or pipeline parallelism, not both (tp {layout.tp} x pp '
                    f'{layout.pp}): its chunks are cut from whole tensors, put back together over the tensor-parallel '

@@ -22,11 +22,11 @@ class Exchange:
 
     def _all(self, flag: float) -> float:
         """The smallest ``flag`` over the ranks of this learner (every rank calls it at the same point)."""
-        return flag if self.groups.k == 1 else self.groups.reduce(float(flag), self.shards.device, op=MIN)
+        return flag if self.slots == 1 else self.groups.reduce(float(flag), self.shards.device, op=MIN)
 
     def _agree(self, version: int) -> bool:
         """Do every rank of this learner hold ``version``?"""
-        if self.groups.k == 1:
+        if self.slots == 1:
             return True
         hi = self.groups.reduce(float(version), self.shards.device, op=tdist.ReduceOp.MAX)
         return self._all(float(version)) == hi
@@ -53,7 +53,7 @@ class Exchange:
         t0 = time.perf_counter()
         try:
             link.send(f["msg"])
-            if self.groups.k == 1:
+            if self.slots == 1:
                 link.send(ready)
             else:
                 link.recv("ACK")
@@ -62,7 +62,7 @@ class Exchange:
         except OSError as err:  # a closed connection, a reset, a timeout: the syncer went away
             f["broken"] = err
         f["posted"] = self._all(0.0 if f["broken"] else 1.0) == 1.0
-        if f["posted"] and self.groups.k > 1 and self.groups.shard == 0:
+        if f["posted"] and self.slots > 1 and self.slot == 0:
             try:
                 link.send(ready)
             except OSError as err:

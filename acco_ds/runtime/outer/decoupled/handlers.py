@@ -4,6 +4,7 @@ raises ``wire.WireError`` naming it, and the shard answers ERROR."""
 
 import time
 
+from ....config.decoupled import shape_refusal
 from . import wire
 from .merges import EWMA
 
@@ -12,6 +13,8 @@ MAX_TOKENS_PER_STEP = 1 << 40  # tokens one inner step may claim (a bound on the
 
 class Handlers:
     """``_handle(peer, msg)``: the protocol of docs/design/decoupled.md, one method per kind."""
+
+    shape = None  # (layout, learner): the shape of the first learner that said HELLO (``learner.layout_name``)
 
     def _handle(self, peer: bytes, msg: wire.Message) -> None:
         kind = msg.kind
@@ -54,6 +57,10 @@ class Handlers:
         tps = msg.tokens or 1
         if tps > MAX_TOKENS_PER_STEP:
             raise wire.WireError("tokens", f"{tps} tokens per inner step, at most {MAX_TOKENS_PER_STEP}")
+        if msg.name and self.shape is not None and msg.name != self.shape[0]:
+            raise wire.WireError("layout", shape_refusal(msg.learner, msg.name, *self.shape))
+        if msg.name and self.shape is None:
+            self.shape = (msg.name, msg.learner)  # the first learner's shape: every other must have it
         known = msg.learner in self.seen
         if not known and self.max_learners is not None and len(self.seen) >= self.max_learners:
             raise wire.WireError("learner", f"learner {msg.learner} would be learner {len(self.seen) + 1}, this "

@@ -1,7 +1,11 @@
 """The learner side of ``"mode": "decoupled"``: a replica group that never waits for another.
 
-Every rank of a learner holds its ZeRO-1 partition j of the model (the fp32 master shards of every parameter
-group, end to end: its *slice*) and talks to syncer shard j only (``link.Link``). A period (``sync_every`` inner
+Every rank of a learner holds its ZeRO-1 partition of the model (the fp32 master shards of every parameter
+group, end to end, its own experts' among them: its *slice*) and talks to one syncer shard only (``link.Link``):
+rank j of the learner's ``k`` data-parallel ranks at model-parallel position m (a tensor-parallel slice or a
+pipeline stage, ``groups.model_main``) is the learner's rank ``m k + j`` and talks to shard ``m k + j``. Learners
+of one shape (the same ``k``, tensor, pipeline and expert-parallel sizes) hold the same slice at the same rank; the
+syncer refuses a learner of another shape (``layout_name``). A period (``sync_every`` inner
 steps, or ``sync_every_s`` seconds) ends with::
 
     every rank:  Δ_j = anchor_j − master_j  → shard j (DELTA: fp32, or block-quantized with error feedback)
@@ -28,7 +32,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from ....config.decoupled import check_decoupled_layout
+from ....config.decoupled import layout_name
 from ..base import LocalSGD
 from . import wire
 from .exchange import Exchange
@@ -42,8 +46,10 @@ class DecoupledLearner(Exchange, LocalSGD):
     schedule_mode = "diloco"
 
     def __init__(self, acco, shards, groups):
-        check_decoupled_layout(groups)
         super().__init__(acco, shards, groups)
+        mp = 1 if groups.model_main is None else tdist.get_world_size(group=groups.model_main)
+        self.slots = groups.k * mp  # the ranks of this learner; ``slot``: this rank's, its syncer shard
+        self.slot = groups.shard + groups.k * (0 if mp == 1 else tdist.get_rank(group=groups.model_main))
         from ....algorithms.periods import PeriodSchedule
         ls = self.local
         self.timed = ls.sync_every_s is not None
@@ -74,8 +80,8 @@ class DecoupledLearner(Exchange, LocalSGD):
         self.numel = sum(m.numel() for m in shards.masters)
         self.address = shard_address(self)
         self.tokens_per_step = ls.tokens_per_step or 1
-        self.link = Link(self.address, self.learner, self.incarnation, groups.shard, self.timeout_s, max_bytes,
-                         self.keys, self.tokens_per_step)
+        self.link = Link(self.address, self.learner, self.incarnation, self.slot, self.timeout_s, max_bytes,
+                         self.keys, self.tokens_per_step, layout_name(groups, mp, shards, self.numel))
         self.heartbeat = None
 
     # ------------------------------------------------------------------ layout
@@ -89,9 +95,11 @@ class DecoupledLearner(Exchange, LocalSGD):
     def _incarnation(self) -> int:
         """A random number per learner process, the same on every rank of the learner (rank 0 draws it)."""
         value = random.SystemRandom().getrandbits(62)
-        if self.groups.k > 1:
-            t = torch.tensor([value if self.groups.shard == 0 else 0], dtype=torch.int64, device=self.shards.device)
-            tdist.all_reduce(t, group=self.groups.replica_main)
+        if self.slots > 1:  # summed over the replica group, then over the model-parallel group
+            t = torch.tensor([value if self.slot == 0 else 0], dtype=torch.int64, device=self.shards.device)
+            for group in (self.groups.replica_main if self.groups.k > 1 else None, self.groups.model_main):
+                if group is not None:
+                    tdist.all_reduce(t, group=group)
             value = int(t.item())
         return value
 
@@ -114,7 +122,7 @@ class DecoupledLearner(Exchange, LocalSGD):
         if self.link.open(self.timeout_s) == wire.NO_VERSION:
             self.link.send(self.link.mine("INIT", name="theta", tensor=self._flat(self.shards.masters)))
         self.link.send(self.link.mine("GET"))
-        if self.groups.shard == 0 and self.heartbeat is None:
+        if self.slot == 0 and self.heartbeat is None:
             self.heartbeat = Heartbeat(self.link)
             self.heartbeat.start()
         msg = self._get_agreed(self.link.recv("PARAMS", "theta", self.numel), time.monotonic() + self.timeout_s)
@@ -237,7 +245,7 @@ class DecoupledLearner(Exchange, LocalSGD):
 
     def banner(self) -> str:
         ls = self.local
-        return (f"decoupled learner {self.learner} of {self.groups.k} rank(s), syncer shard "
+        return (f"decoupled learner {self.learner} of {self.slots} rank(s), syncer shard "
                 f"{self.address[0]}:{self.address[1]} {self.period_words()[0]} min_quorum={ls.min_quorum} "
                 f"grace_s={ls.grace_s} merge={ls.merge} staleness={ls.staleness} adopt={ls.adopt} "
                 f"up-link={self.uplink}")

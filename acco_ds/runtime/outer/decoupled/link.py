@@ -66,8 +66,9 @@ class Link:
     """The connection of learner ``learner`` (incarnation ``incarnation``), rank ``shard``, to its shard."""
 
     def __init__(self, address, learner: int, incarnation: int, shard: int, timeout_s: float, max_bytes: int,
-                 keys: Optional[transport.Keys] = None, tokens_per_step: int = 1):
+                 keys: Optional[transport.Keys] = None, tokens_per_step: int = 1, layout: str = ""):
         self.address, self.learner, self.incarnation, self.shard = address, learner, incarnation, shard
+        self.layout = layout  # the learner's shape, said at HELLO: a shard refuses a learner of another
         self.timeout_s, self.max_bytes, self.keys, self.tokens_per_step = timeout_s, max_bytes, keys, tokens_per_step
         self.ctx = zmq.Context.instance()
         self.sock = None
@@ -102,7 +103,7 @@ class Link:
             raise ConnectionError(f"acco decoupled: {err}. Start it (acco-ds syncer) or check "
                                   f"local_sgd.syncer.address") from None
         self.boot = None
-        self.send(self.mine("HELLO", tokens=self.tokens_per_step))
+        self.send(self.mine("HELLO", tokens=self.tokens_per_step, name=self.layout))
         state = self._next("STATE")
         while state.kind in ("ACK", "PARAMS", "PONG"):  # answers to the socket this one replaced (same identity)
             state = self._next("STATE")

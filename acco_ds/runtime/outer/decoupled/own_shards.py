@@ -1,6 +1,6 @@
 """The syncer shards a ``deepspeed`` launch of ``"mode": "decoupled"`` starts for itself: the ranks of learner 0
-start them (rank j starts shard j, shard 0 first: the others follow it), and every rank learns every port
-through two small all-reduces at start-up. A shard is a CPU process of its own session, so the crash of the rank
+start them (its rank j, ``loop.slot``, starts shard j, shard 0 first: the others follow it), and every rank learns
+every port through two small all-reduces at start-up. A shard is a CPU process of its own session, so the crash of the rank
 that started it does not end it; it stops once every learner is done, or once no learner has been heard from for
 ``IDLE_EXIT_S`` seconds (learners that died).
 
@@ -30,7 +30,7 @@ KEY = "acco.local_sgd.syncer.auth_file"
 def shard_address(loop) -> Tuple[str, int]:
     """``(host, port)`` of this rank's shard j: ``syncer.address`` + j, or a shard of the launch's own."""
     cfg, groups = loop.syncer_config, loop.groups
-    j = groups.shard
+    j, slots = loop.slot, loop.slots  # this rank's place in its learner, over its replica and model-parallel groups
     auth_file = cfg.auth_file if cfg is not None else None
     if cfg is not None and cfg.address:
         host, port = wire.split_address(cfg.address)
@@ -41,13 +41,13 @@ def shard_address(loop) -> Tuple[str, int]:
     host = cfg.host if cfg is not None else "127.0.0.1"
     state_dir = (cfg.state_dir if cfg is not None else None) or tempfile.mkdtemp(prefix="acco_syncer_")
     mine = groups.replica == 0
-    ports = torch.zeros(groups.k, dtype=torch.int64, device=loop.shards.device)
+    ports = torch.zeros(slots, dtype=torch.int64, device=loop.shards.device)
     if mine and j == 0:
         ports[0] = spawn(loop, 0, host, None, state_dir)
     tdist.all_reduce(ports)
     if mine and j > 0:
         ports[j] = spawn(loop, j, host, f"{host}:{int(ports[0])}", state_dir)
-    if groups.k > 1:
+    if slots > 1:
         rest = ports.clone()
         rest[0] = 0
         tdist.all_reduce(rest)
@@ -57,7 +57,7 @@ def shard_address(loop) -> Tuple[str, int]:
 
 def launch_secret(loop) -> bytes:
     """32 random bytes drawn by rank 0 of learner 0, the same on every rank (one all-reduce)."""
-    first = loop.groups.replica == 0 and loop.groups.shard == 0
+    first = loop.groups.replica == 0 and loop.slot == 0
     draw = secrets.token_bytes(transport.MIN_SECRET) if first else bytes(transport.MIN_SECRET)
     t = torch.tensor(list(draw), dtype=torch.int64, device=loop.shards.device)
     tdist.all_reduce(t)
