@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--make-secret", metavar="PATH", help="write a new secret (32 random bytes, mode 600) and exit")
     ap.add_argument("--config", help="the learners' DeepSpeed config (its acco block)")
-    ap.add_argument("--shards", type=int, help="ranks per learner (replica_group_size)")
+    ap.add_argument("--shards", type=int,
+                    help="ranks per learner: replica_group_size x tensor x pipeline parallel sizes")
     ap.add_argument("--port", type=int, help="shard j listens on port + j")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; any other needs "
                                                         "--auth-file)")
