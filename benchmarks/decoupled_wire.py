@@ -181,6 +181,54 @@ def allreduce_times(numel: int, repeats: int, attempts: int = 3) -> list:
     raise RuntimeError(f"the gloo all-reduce did not run in {attempts} attempts")
 
 
+def _echo(port_q, secret) -> None:
+    """A ROUTER that sends every message back as it came (the floor's other end)."""
+    import zmq
+    keys = None if secret is None else transport.Keys(secret)
+    ctx = zmq.Context()
+    sock, port = transport.server(ctx, keys, "127.0.0.1", 0, 1 << 40)
+    guard = transport.Guard(ctx, keys, sock, 4)
+    guard.start()
+    port_q.put(port)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"end":
+            break
+        sock.send_multipart(frames, copy=False)
+    guard.close()
+    sock.close(0)
+    ctx.term()
+
+
+def zmq_floor(numel: int, repeats: int, secret=None) -> list:
+    """Seconds of the tensor's bytes there and back between two processes over ZeroMQ alone, in the wire's frames
+    (``wire.CHUNK``) and with its socket options, with CURVE (``secret``) or in clear: no Python on the way, no
+    outer step; what the exchange cannot go below."""
+    import zmq
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_echo, args=(q, secret))
+    proc.start()
+    port = q.get(timeout=120)
+    keys = None if secret is None else transport.Keys(secret)
+    zctx = zmq.Context()
+    sock = transport.client(zctx, keys, "127.0.0.1", port, 1 << 40, 60)
+    transport.handshake(sock, transport.endpoint("127.0.0.1", port), 60, "the echo", keys is not None)
+    frames = wire.encode(wire.Message("PARAMS", name="theta", tensor=torch.randn(numel)))
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        sock.send_multipart(frames, copy=False)
+        sock.recv_multipart(copy=False)
+        if i:
+            times.append(time.perf_counter() - t0)
+    sock.send(b"end")
+    proc.join(60)
+    sock.close(0)
+    zctx.term()
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
@@ -203,7 +251,9 @@ def main(argv=None) -> int:
         clear, _ = exchange_times(numel, args.repeats)
         times8, int8_bytes = exchange_times(numel, args.repeats, "int8", auth_file=auth)
         ex, ar = statistics.median(times), statistics.median(allreduce_times(numel, args.repeats))
+        floor = statistics.median(zmq_floor(numel, args.repeats, secret=open(auth, "rb").read()))
         rows.append({"fp32_mb": mb, "exchange_s": ex, "exchange_clear_s": statistics.median(clear),
+                     "zmq_curve_s": floor, "zmq_clear_s": statistics.median(zmq_floor(numel, args.repeats)),
                      "allreduce_s": ar, "ratio": ex / ar, "exchange_gb_s": 2 * mb / 1024 / ex,
                      "exchange_int8_s": statistics.median(times8),
                      "uplink_bytes_fp32": fp32_bytes, "uplink_bytes_int8": int8_bytes,
@@ -229,19 +279,24 @@ def render(rows, args, argv) -> str:
           f"shard's outer step in between (K = 1, no grace window), on ZeroMQ with CURVE encryption (a secret file), "
           f"median of {args.repeats}; the same without a secret (NULL mechanism, clear, loopback only). All-reduce: "
           f"gloo, 2 processes, the same fp32 tensor, median of {args.repeats}.\n",
-          "| fp32 tensor (MiB) | exchange, CURVE (s) | exchange, clear (s) | gloo all-reduce, 2 ranks (s) | "
-          "exchange CURVE / all-reduce | exchange GB/s (up + down) | exchange, int8 up-link, CURVE (s) | up-link "
-          "bytes per exchange, fp32 / int8 (ratio) | on the veth, fp32 / int8 (ratio) |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['fp32_mb']:g} | {r['exchange_s']:.4f} | {r['exchange_clear_s']:.4f} | {r['allreduce_s']:.4f} | "
-           f"{r['ratio']:.2f} | {r['exchange_gb_s']:.2f} | {r['exchange_int8_s']:.4f} | {r['uplink_bytes_fp32']:,} / "
+          "| fp32 tensor (MiB) | exchange, CURVE (s) | exchange, clear (s) | ZeroMQ alone there and back, CURVE / "
+          "clear (s) | gloo all-reduce, 2 ranks (s) | exchange CURVE / all-reduce | ZeroMQ CURVE alone / all-reduce | "
+          "exchange GB/s (up + down) | exchange, int8 up-link, CURVE (s) | up-link bytes per exchange, fp32 / int8 "
+          "(ratio) | on the veth, fp32 / int8 (ratio) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['fp32_mb']:g} | {r['exchange_s']:.4f} | {r['exchange_clear_s']:.4f} | {r['zmq_curve_s']:.4f} / "
+           f"{r['zmq_clear_s']:.4f} | {r['allreduce_s']:.4f} | {r['ratio']:.2f} | "
+           f"{r['zmq_curve_s'] / r['allreduce_s']:.2f} | "
+           f"{r['exchange_gb_s']:.2f} | {r['exchange_int8_s']:.4f} | {r['uplink_bytes_fp32']:,} / "
            f"{r['uplink_bytes_int8']:,} ({r['uplink_bytes_int8'] / r['uplink_bytes_fp32']:.3f}) | "
            + (f"{r['veth_bytes_fp32']:,.0f} / {r['veth_bytes_int8']:,.0f} "
               f"({r['veth_bytes_int8'] / r['veth_bytes_fp32']:.3f}) |" if r["veth_bytes_fp32"] else "(not root) |")
            for r in rows]
     md.append("\nThe exchange moves the tensor twice (up and down) and runs the outer step on the shard; an "
               "all-reduce of 2 ranks moves it about once each way. Framing: an 84-byte header frame with the name per "
-              "message, then the payload in frames of 8 MiB.\n")
+              "message, then the payload in frames of "
+              f"{wire.CHUNK >> 20} MiB. ZeroMQ alone: the same frames sent to a process that sends them back, "
+              "no Python on the way and no outer step (the floor of the exchange on this transport).\n")
     return "\n".join(md)
 
 

@@ -6,6 +6,7 @@ import time
 
 from ....config.decoupled import shape_refusal
 from . import wire
+from .identity import DATA
 from .merges import EWMA
 
 MAX_TOKENS_PER_STEP = 1 << 40  # tokens one inner step may claim (a bound on the merge's weights)
@@ -23,6 +24,11 @@ class Handlers:
         if kind == "HELLO":
             return self._on_hello(peer, msg)
         info = self.peers.get(peer)
+        if info is not None and not self._holds(peer, info, msg):
+            info = None  # another connection holds the learner id now, or the token is wrong
+            if kind != "PING":
+                raise wire.WireError("learner", f"learner {msg.learner}: this connection does not hold the id (another "
+                                                f"said HELLO under it since, or the token is not the one STATE gave)")
         if kind == "PING":
             return self._on_ping(peer, msg, info)
         if info is None:
@@ -30,6 +36,8 @@ class Handlers:
         if (msg.learner, msg.incarnation) != (info["learner"], info["incarnation"]):
             raise wire.WireError("learner", f"learner {msg.learner} incarnation {msg.incarnation} on the connection of "
                                             f"learner {info['learner']} incarnation {info['incarnation']}")
+        if info["role"] != DATA:
+            raise wire.WireError("kind", f"{kind} on the heartbeat connection of learner {msg.learner}")
         handler = {"INIT": self._on_init, "GET": self._on_get, "DELTA": self._on_delta, "READY": self._on_ready,
                    "DONE": self._on_done}.get(kind)
         if handler is None:
@@ -65,7 +73,8 @@ class Handlers:
         if not known and self.max_learners is not None and len(self.seen) >= self.max_learners:
             raise wire.WireError("learner", f"learner {msg.learner} would be learner {len(self.seen) + 1}, this "
                                             f"syncer admits {self.max_learners} (--max-learners)")
-        self.peers[peer] = {"learner": msg.learner, "incarnation": msg.incarnation}
+        token = self._admit(peer, msg)  # refused while another live connection holds the id
+        self.peers[peer] = {"learner": msg.learner, "incarnation": msg.incarnation, "role": msg.steps}
         self.tokens_per_step[(msg.learner, msg.incarnation)] = tps
         self.seen.add(msg.learner)
         self.done.discard(msg.learner)
@@ -75,7 +84,7 @@ class Handlers:
                 self._drop(msg.learner, old)
             self._touch(msg.learner, msg.incarnation)
         self._send(peer, wire.Message("STATE", version=self.state.version, tokens=int(self.liveness_s * 1000),
-                                      base=self._needed(msg.learner, msg.incarnation)))
+                                      base=self._needed(msg.learner, msg.incarnation), incarnation=token))
 
     def _needed(self, learner: int, incarnation: int) -> int:
         """The base version of ``learner``'s Δ that a logged decision names and this shard lacks (it restarted
@@ -110,7 +119,7 @@ class Handlers:
             self.checkpoint(None)
 
     def _on_get(self, peer: bytes, msg: wire.Message) -> None:
-        self._send(peer, wire.Message("PARAMS", version=self.state.version, name="theta", tensor=self.state.x.clone()))
+        self._send_theta(peer)
 
     def _check_slice(self, msg: wire.Message, name: str) -> None:
         numel = None if self.state.empty else self.state.x.numel()
@@ -132,13 +141,13 @@ class Handlers:
         self._check_finite(msg.tensor)
         if self.merged.get(msg.learner) == (msg.incarnation, msg.base):  # re-sent after a restart: merged already
             self._send(peer, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
-            self._send(peer, wire.Message("PARAMS", learner=msg.learner, incarnation=msg.incarnation,
-                                          version=self.state.version, name="theta", tensor=self.state.x.clone()))
+            self._send_theta(peer, learner=msg.learner, incarnation=msg.incarnation)
             self.resent += 1
             return
         self.pending[msg.learner] = {"incarnation": msg.incarnation, "base": msg.base, "tokens": msg.tokens,
                                      "steps": msg.steps, "adopted": msg.version, "delta": msg.tensor,
                                      "ready": None, "conn": peer}
+        self._keep(msg.learner, self.pending[msg.learner])  # on disk before it is acknowledged
         self._send(peer, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
         self._apply()  # a decision logged before a restart may wait for this slice
 
@@ -163,6 +172,7 @@ class Handlers:
         self._send(peer, wire.Message("PONG", learner=msg.learner, version=self.state.version))  # heard
         self.done.add(msg.learner)
         self.peers.pop(peer, None)
+        self._release(peer, msg.learner)
         if self.index == 0 and self.live.get(msg.learner) == msg.incarnation:
             del self.live[msg.learner]
 

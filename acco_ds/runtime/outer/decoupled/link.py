@@ -13,7 +13,9 @@ residual, ``compression.residual_dtype``, kept across periods and checkpointed w
 ``block_size`` values of ``v`` and one int8/fp8 byte per value (``ops`` ``quantize_pack``: the kernels the other
 compressed collectives use), ``e ← v − dequantized``. Only the up-link is quantized: θ_g comes back in fp32."""
 
+import secrets
 import struct
+import sys
 import threading
 import time
 from typing import Optional
@@ -24,6 +26,7 @@ import zmq
 from ...comm.compression import OuterCompression
 from ....ops.reference import num_blocks
 from . import transport, wire
+from .identity import DATA, HEARTBEAT, HELD
 
 
 class Uplink:
@@ -57,6 +60,11 @@ class Uplink:
 PING_EVERY_S = 1.0  # a waiting rank's PING to its shard
 
 
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (views of it included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 def routing_id(tag: bytes, learner: int, incarnation: int, rank: int) -> bytes:
     """The same on every reconnection of one socket, so the shard knows it as the peer that said HELLO."""
     return tag + struct.pack("<IQI", learner, incarnation, rank)
@@ -80,6 +88,9 @@ class Link:
         self.bytes_sent = 0  # header and payload frames sent
         self.delta_bytes = 0  # of which DELTA messages
         self.reconnects = 0
+        self.inbox, self.inbox_uses = None, 0  # the receive buffer of large payloads (``_inbox``)
+        self.token = 0  # given by the shard at HELLO (in STATE), sent in every message (``identity``)
+        self.nonce = secrets.token_bytes(8)  # in the routing id: another peer cannot guess it and take it over
         self.tag = b"L"
 
     @property
@@ -90,10 +101,24 @@ class Link:
         return wire.Message(kind, learner=self.learner, incarnation=self.incarnation, **fields)
 
     def open(self, timeout_s: float) -> int:
-        """Connect, prove the secret, say HELLO; returns the shard's version (``wire.NO_VERSION``: no model)."""
+        """Connect, prove the secret, say HELLO; returns the shard's version (``wire.NO_VERSION``: no model). While
+        the shard says another live connection holds this learner id (a relaunch before the old process's
+        connection closed), HELLO again each second until ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._open(max(0.1, deadline - time.monotonic()))
+            except wire.Refused as err:
+                if HELD not in str(err) or time.monotonic() + PING_EVERY_S > deadline:
+                    raise
+                self.close()
+                time.sleep(PING_EVERY_S)
+
+    def _open(self, timeout_s: float) -> int:
         host, port = self.address
         self.sock = transport.client(self.ctx, self.keys, host, port, self.max_bytes, self.timeout_s)
-        self.sock.setsockopt(zmq.ROUTING_ID, routing_id(self.tag, self.learner, self.incarnation, self.shard))
+        self.sock.setsockopt(zmq.ROUTING_ID, routing_id(self.tag, self.learner, self.incarnation, self.shard)
+                             + self.nonce)
         try:
             transport.handshake(self.sock, transport.endpoint(host, port), timeout_s, f"syncer shard {self.shard}",
                                 self.keys is not None)
@@ -103,12 +128,13 @@ class Link:
             raise ConnectionError(f"acco decoupled: {err}. Start it (acco-ds syncer) or check "
                                   f"local_sgd.syncer.address") from None
         self.boot = None
-        self.send(self.mine("HELLO", tokens=self.tokens_per_step, name=self.layout))
+        role = HEARTBEAT if self.tag == b"P" else DATA
+        self.send(self.mine("HELLO", tokens=self.tokens_per_step, name=self.layout, steps=role))
         state = self._next("STATE")
         while state.kind in ("ACK", "PARAMS", "PONG"):  # answers to the socket this one replaced (same identity)
             state = self._next("STATE")
         wire.expect(state, "STATE")
-        self.boot, self.liveness_s = state.boot, state.tokens / 1000.0
+        self.boot, self.liveness_s, self.token = state.boot, state.tokens / 1000.0, state.incarnation
         if self.retained is not None and state.base == self.retained.base:  # a merge the shard must redo
             self.send(self.retained)
             self.recv("ACK")
@@ -127,6 +153,7 @@ class Link:
                                   f"another one): restart it on the folder it checkpointed to")
 
     def send(self, msg: wire.Message) -> None:
+        msg.boot = self.token  # proves to the shard that this connection holds the learner id (STATE gave it)
         frames = wire.encode(msg)
         try:
             self.sock.send_multipart(frames, copy=False)
@@ -136,6 +163,15 @@ class Link:
         self.bytes_sent += n
         if msg.kind == "DELTA":
             self.delta_bytes += n
+
+    def _inbox(self, nbytes: int) -> torch.Tensor:
+        """The buffer a payload of ``nbytes`` is received into: the last one again when nothing holds it any more
+        (θ_g is copied into the masters at adoption), so a 64 MiB θ_g does not fault in fresh pages every merge."""
+        buf = self.inbox
+        if buf is None or buf.numel() != nbytes or sys.getrefcount(buf) > 3 or _uses(buf) > self.inbox_uses:
+            buf = self.inbox = torch.empty(nbytes, dtype=torch.uint8)
+            self.inbox_uses = _uses(buf)
+        return buf
 
     def _ping(self) -> None:
         base = wire.NO_VERSION if self.waiting_base is None else self.waiting_base
@@ -148,7 +184,7 @@ class Link:
             frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        msg = wire.decode(frames, self.max_bytes)
+        msg = wire.decode(frames, self.max_bytes, into=self._inbox)
         if self.boot is not None and msg.boot != self.boot:
             raise wire.Closed(f"{self.where} restarted")
         if msg.kind == "PARAMS" and self.adopted is not None and msg.version <= self.adopted:

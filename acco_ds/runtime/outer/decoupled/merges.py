@@ -53,7 +53,42 @@ def append_line(path: str, record: dict) -> None:
         fsync_dir(os.path.dirname(path) or ".")
 
 
-class MergeRule:
+class HeldDeltas:
+    """The Δ slices a shard holds, also on disk (``state_dir``) until the merge that takes them is saved."""
+
+    def _delta_path(self, learner: int, incarnation: int, base: int) -> str:
+        return self._path(f"shard{self.index}-delta-{learner}-{incarnation}-{base}.pt")
+
+    def _keep(self, learner: int, entry: dict) -> None:
+        """Write a Δ slice this shard holds next to its checkpoint before it is acknowledged: a decision replayed
+        after this process restarted merges it even if its learner died meanwhile (it would wait for it forever).
+        Not fsynced: it outlives the process, not the machine (then the learner's re-send covers it)."""
+        if self.state_dir is None:
+            return
+        rec = {k: entry[k] for k in ("incarnation", "base", "tokens", "steps", "adopted", "delta")}
+        path = self._delta_path(learner, entry["incarnation"], entry["base"])
+        with open(path + ".tmp", "wb") as f:
+            torch.save(rec, f)
+        os.replace(path + ".tmp", path)
+
+    def _recall(self, learner: int, incarnation: int, base: int) -> None:
+        """The Δ slice a decision names and no learner sent to this process: from the disk, if it is there."""
+        path = None if self.state_dir is None else self._delta_path(learner, incarnation, base)
+        if path is None or learner in self.pending or not os.path.exists(path):
+            return
+        rec = torch.load(path, weights_only=True)  # only tensors and numbers
+        self.pending[learner] = {**rec, "ready": None, "conn": None}
+        self.say(f"took the pseudo-gradient of learner {learner} (incarnation {incarnation}, base {base}) from {path}")
+
+    def _forget(self, learner: int, incarnation: int, base: int) -> None:
+        if self.state_dir is not None:
+            try:
+                os.remove(self._delta_path(learner, incarnation, base))
+            except FileNotFoundError:
+                pass
+
+
+class MergeRule(HeldDeltas):
     """Shard 0's decisions (``_maybe_merge``), every shard's merge (``_apply``) and checkpoints."""
 
     # ---------------------------------------------------------------- checkpoints
@@ -76,8 +111,9 @@ class MergeRule:
             for rec in self.decisions(after=self.state.version):
                 self.decided[rec["version"]] = [tuple(m) for m in rec["members"]]
             if self.decided:
-                self.say(f"decisions {sorted(self.decided)} are logged and not merged yet: waiting for their "
-                         f"pseudo-gradients to be sent again")
+                self.say(f"decisions {sorted(self.decided)} are logged and not merged yet: taking their "
+                         f"pseudo-gradients from {self.state_dir} or from the learners that send them again")
+                self._apply()
 
     def decisions(self, after: int) -> List[dict]:
         """Shard 0's logged decisions of versions above ``after``."""
@@ -94,7 +130,7 @@ class MergeRule:
                     out.append(rec)
         return out
 
-    def checkpoint(self, record: Optional[dict], theta=None) -> None:
+    def checkpoint(self, record: Optional[dict], theta=None, members=()) -> None:
         """Save θ_g, momentum and version of this shard, and append the merge to the log, on a thread of its own
         (after the merged learners received θ_g: the save is not in their pause, nor in anyone's while it runs).
         At most one save is in flight, and the next merge waits for it (``_saved``): the learners then stand at most
@@ -107,13 +143,15 @@ class MergeRule:
         state = {"x": st.x.clone() if theta is None else theta, "m": st.m.clone(),
                  "buffer": None if st.buffer is None else st.buffer.clone(), "since": st.since,
                  "version": st.version, "merged": merged}
-        self.saver = threading.Thread(target=self._save, args=(state, record), daemon=True)
+        self.saver = threading.Thread(target=self._save, args=(state, record, list(members)), daemon=True)
         self.saver.start()
 
-    def _save(self, state: dict, record: Optional[dict]) -> None:
+    def _save(self, state: dict, record: Optional[dict], members) -> None:
         durable_write(self._path(f"shard{self.index}.pt"), lambda f: torch.save(state, f))
         if record is not None and self.index == 0:
             append_line(self._path("merges.jsonl"), record)
+        for member in members:  # merged and saved: a restart no longer replays them
+            self._forget(*member)
 
     def _saved(self) -> None:
         """Wait for the save in flight, if any."""
@@ -181,6 +219,8 @@ class MergeRule:
                 del self.decided[version]  # merged before a restart
                 continue
             members = self.decided[version]
+            for member in members:
+                self._recall(*member)
             if version != self.state.version + 1 or not all(
                     (self.pending.get(l, {}).get("incarnation"), self.pending.get(l, {}).get("base")) == (s, b)
                     for l, s, b in members):
@@ -193,6 +233,7 @@ class MergeRule:
         entries = [self.pending.pop(l) for l, _, _ in members]
         for (l, s, _), e in zip(members, entries):
             self.merged[l] = (s, e["base"])
+        self._own_theta()
         self.state.step(self.state.mean([e["delta"] for e in entries], [e["tokens"] for e in entries]))
         now = time.monotonic()
         record = {"version": self.state.version, "time": time.time(), "grace_s": self.grace_s(),
@@ -203,12 +244,11 @@ class MergeRule:
                   "contributions": [{"learner": l, "base": e["base"], "steps": e["steps"], "tokens": e["tokens"],
                                      "adopted_after": e["adopted"]} for (l, _, _), e in zip(members, entries)]}
         self.log.append(record)
-        theta = self.state.x.clone()  # sent without a copy: the next merge changes x in place
         for (l, s, _), e in zip(members, entries):
-            self._send(e["conn"], wire.Message("PARAMS", learner=l, incarnation=s, version=self.state.version,
-                                               name="theta", tensor=theta))
+            if e["conn"] is not None:  # None: a Δ taken from the disk; its learner asks again if it lives
+                self._send_theta(e["conn"], learner=l, incarnation=s)
         self._drill("sent", version)
-        self.checkpoint(record, theta)  # after the learners have θ_g, on its own thread
+        self.checkpoint(record, self.state.x, members)  # after the learners have θ_g, on a thread
 
     def _drill(self, point: str, version: int) -> None:
         """A fault drill: ``ACCO_SYNCER_CRASH="j:point:v"`` ends shard j at once (as SIGKILL would) at ``point``
@@ -221,6 +261,7 @@ class MergeRule:
         p = self.pending.get(learner)
         if p is not None and p["incarnation"] == incarnation:
             del self.pending[learner]
+            self._forget(learner, incarnation, p["base"])
         for f in list(self.followers):
             self._send(f, wire.Message("DROP", learner=learner, incarnation=incarnation))
 
@@ -229,6 +270,7 @@ class MergeRule:
             p = self.pending.get(msg.learner)
             if p is not None and p["incarnation"] == msg.incarnation and not self._named(msg.learner):
                 del self.pending[msg.learner]
+                self._forget(msg.learner, msg.incarnation, p["base"])
         elif msg.kind == "MERGE":
             t = wire.expect(msg, "MERGE").tensor
             if t is None or t.dtype != torch.int64 or t.numel() % 3:

@@ -27,13 +27,15 @@ import zmq
 
 from . import transport, wire
 from .handlers import Handlers
+from .identity import Identity
 from .merges import MergeRule
 from .state import ShardState
 
 DEFAULT_LIVENESS_S = 10.0
+SMALL_PAYLOAD = 1 << 16  # bytes: the payload of a message that is not a slice of θ_g (MERGE's learners, a text)
 
 
-class Shard(Handlers, MergeRule):
+class Shard(Handlers, Identity, MergeRule):
     """The server of shard ``index`` (see the module docstring).
 
     Args:
@@ -67,7 +69,8 @@ class Shard(Handlers, MergeRule):
         self.ctx = zmq.Context()
         self.sock, self.port = transport.server(self.ctx, keys, host, port, self.max_bytes)
         self.guard = transport.Guard(self.ctx, keys, self.sock, max_connections)
-        self.peers: Dict[bytes, dict] = {}  # routing id -> {"learner", "incarnation"} after its HELLO
+        self.peers: Dict[bytes, dict] = {}  # routing id -> {"learner", "incarnation", "role"} after its HELLO
+        self.holders: Dict[tuple, dict] = {}  # (learner, role) -> {"peer", "incarnation", "token", "seen"}
         self.followers: set = set()  # shard 0: routing ids of the shards that follow it
         self.leader: Optional[zmq.Socket] = None
         self.leader_boot, self.leader_seen, self.leader_done = None, time.monotonic(), False
@@ -84,6 +87,7 @@ class Shard(Handlers, MergeRule):
         self.refused = self.resent = self.dropped_sends = 0
         self.merged: Dict[int, tuple] = {}  # learner -> (incarnation, base) of its last merged Δ
         self.bytes_in = self.bytes_out = 0
+        self.theta_sends = []  # ZeroMQ trackers of sends of θ_g's own memory (``_send_theta``)
         self.stopped = threading.Event()
         self.resume()
 
@@ -124,16 +128,32 @@ class Shard(Handlers, MergeRule):
         except zmq.Again:
             pass  # shard 0 is away: its PONG's new boot makes this shard follow again
 
-    def _send(self, peer: bytes, msg: wire.Message) -> None:
-        """Send without blocking: a peer that is gone, or whose queue is full (it does not read), loses it."""
+    def _send(self, peer: bytes, msg: wire.Message, track: bool = False) -> None:
+        """Send without blocking: a peer that is gone, or whose queue is full (it does not read), loses it.
+        ``track``: the payload is θ_g itself, sent without a copy; the next change of θ_g copies it first if ZeroMQ
+        still holds it (``_own_theta``)."""
         msg.boot = self.boot
         frames = wire.encode(msg)
         try:
-            self.sock.send_multipart([peer] + frames, copy=False)
+            tracker = self.sock.send_multipart([peer] + frames, copy=False, track=track)
             self.bytes_out += wire.size(frames)
+            if track:
+                self.theta_sends = [t for t in self.theta_sends if not t.done] + [tracker]
         except zmq.ZMQError:
             self.dropped_sends += 1
             self.followers.discard(peer)
+
+    def _send_theta(self, peer: bytes, **fields) -> None:
+        """PARAMS: this shard's θ_g, without a copy."""
+        self._send(peer, wire.Message("PARAMS", version=self.state.version, name="theta", tensor=self.state.x,
+                                      **fields), track=True)
+
+    def _own_theta(self) -> None:
+        """Before θ_g changes in place: if a send of it is still under way, θ_g moves to a copy (the send keeps the
+        old memory)."""
+        if any(not t.done for t in self.theta_sends):
+            self.state.x = self.state.x.clone()
+        self.theta_sends = []
 
     # ---------------------------------------------------------------- main loop
     def serve(self) -> None:
@@ -166,7 +186,7 @@ class Shard(Handlers, MergeRule):
     def _receive(self, sock: zmq.Socket, frames) -> None:
         peer = None if sock is self.leader else bytes(frames[0].bytes)
         try:
-            msg = wire.decode(frames if peer is None else frames[1:], self.max_bytes)
+            msg = wire.decode(frames if peer is None else frames[1:], self.max_bytes, check=self._check_layout)
             if peer is None:
                 self.leader_seen = time.monotonic()
                 if msg.kind == "DONE":
@@ -180,6 +200,29 @@ class Shard(Handlers, MergeRule):
                 self.say(f"refused a message from shard 0: {err}")
             else:
                 self._refuse(peer, str(err))
+
+    def _check_layout(self, h: dict) -> None:
+        """A payload must be the size of this shard's slice (INIT, DELTA) or small (the others): checked on the
+        header, before a byte of the payload is copied."""
+        if h["dtype"] is None:
+            return
+        n, kind = h["payload"], h["kind"]
+        if kind not in ("INIT", "DELTA"):
+            if n > SMALL_PAYLOAD:
+                raise wire.WireError("payload", f"{n} bytes in a {kind}, at most {SMALL_PAYLOAD} travel in one")
+            return
+        if self.state.empty:
+            if kind == "DELTA":
+                raise wire.WireError("kind", "DELTA before the syncer has a model (INIT first)")
+            return
+        numel = self.state.x.numel()
+        if h.get("quantized") is not None:
+            if h["numel"] != numel:
+                raise wire.WireError("shape", f"a quantized {kind.lower()} of {h['numel']} values, this shard holds "
+                                              f"{numel}")
+        elif n != 4 * numel or h["dtype"] != torch.float32:
+            raise wire.WireError("shape", f"{n} bytes of {h['dtype']} announced in a {kind}, this shard's slice is "
+                                            f"{numel} fp32 values ({4 * numel} bytes)")
 
     def stop(self) -> None:
         self.stopped.set()

@@ -1,7 +1,8 @@
 """The messages of ``"mode": "decoupled"``: what a learner rank and a syncer shard say to each other, as ZeroMQ
 frames (``transport`` carries them: CURVE encryption, heartbeats, high-water marks, a size limit per frame).
 Nothing received is unpickled, and no float travels inside a structure: a message is one header frame and, when
-it carries a tensor, one frame of the tensor's raw bytes (sent and received without a copy in Python).
+it carries a tensor, the tensor's raw bytes in frames of ``CHUNK`` bytes (sent without a copy in Python; received
+into a buffer of the receiver's, allocated only once the header passed the receiver's checks).
 
 Header frame (little-endian, ``HEADER.size`` = 84 bytes), then ``name_len`` bytes of name in the same frame::
 
@@ -9,7 +10,7 @@ Header frame (little-endian, ``HEADER.size`` = 84 bytes), then ``name_len`` byte
     tokens u64 | steps u32 | dtype u8 | ndim u8 | name_len u16 | shape 2 x u64 | payload u64 | boot u64
 
 ``boot`` is the sending shard's start (a random number per process): a learner that sees it change knows the
-shard restarted. A block-quantized tensor (dtype ``int8`` or ``fp8``: a compressed pseudo-gradient) travels as
+shard restarted. From a learner, ``boot`` is its connection's token (``identity``). A block-quantized tensor (dtype ``int8`` or ``fp8``: a compressed pseudo-gradient) travels as
 shape ``[n, B]``: ``n`` values in blocks of ``B`` elements, its payload the ``ceil(n / B)`` fp32 block scales then
 the ``n`` one-byte values (``ops.reference.quantize_pack``'s format), exactly ``4 ceil(n / B) + n`` bytes.
 
@@ -35,8 +36,10 @@ MAX_NAME = 64
 NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
 
 KINDS = {
-    1: "HELLO",  # learner -> shard: learner id, incarnation, tokens per inner step (``tokens``); answered STATE
-    2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet), liveness_s in ms (``tokens``)
+    1: "HELLO",  # learner -> shard: learner id, incarnation, tokens per inner step (``tokens``), the link's role
+    #              (``steps``: 0 data, 1 heartbeat), the token its connection held before (``boot``); answered STATE
+    2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet), liveness_s in ms (``tokens``), the
+    #              connection's token (``incarnation``), which every later message of it carries in ``boot``
     3: "INIT",  # learner -> shard: "theta", the starting weights of an empty syncer
     4: "GET",  # learner -> shard: send the current θ_g
     5: "PARAMS",  # shard -> learner: "theta" of ``version``
@@ -65,8 +68,9 @@ QUANT_WIRE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 MIN_BLOCK, MAX_BLOCK = 8, 1 << 20  # compression.block_size's bounds
 # A payload travels in frames of this many bytes: with CURVE each frame is encrypted and authenticated on its
 # own, so the receiver decrypts frame k while the sender encrypts frame k + 1 (a single frame could only be opened
-# once all of it had arrived).
-CHUNK = 8 << 20
+# once all of it had arrived). 1 MiB: 64 MiB there and back over CURVE took 0.22 s in frames of 0.5 or 1 MiB, 0.5 s
+# in frames of 8 MiB (libzmq allocates and copies each frame to encrypt it; docs/benchmarks/decoupled.md).
+CHUNK = 1 << 20
 
 
 class WireError(ValueError):
@@ -190,27 +194,31 @@ def parse_header(raw: bytes, max_bytes: int) -> dict:
     return out
 
 
-def decode(frames, max_bytes: int) -> Message:
-    """One message from its frames (``bytes``, ``memoryview`` or ``zmq.Frame``): the header is checked first, the
-    payload frame must have exactly the announced length, and becomes a tensor over the frame's memory."""
+def decode(frames, max_bytes: int, check=None, into=None) -> Message:
+    """One message from its frames (``bytes``, ``memoryview`` or ``zmq.Frame``): the header is checked first
+    (``check(header)``, if given, may refuse it by the receiver's own layout before a byte of payload is copied),
+    the payload frames must have exactly the announced lengths. One frame becomes a tensor over the frame's memory;
+    several are copied into ``into(nbytes)`` (a uint8 tensor of the receiver's, or None: a new one)."""
     if not frames:
         raise WireError("frames", "an empty message")
     h = parse_header(_buffer(frames[0]), max_bytes)
+    if check is not None:
+        check(h)
     tensor = None
     if h["dtype"] is None:
         if len(frames) != 1:
             raise WireError("frames", f"{len(frames)} frames for a message without a tensor")
     else:
-        tensor = _payload_tensor(frames[1:], h)
+        tensor = _payload_tensor(frames[1:], h, into)
     extra = {k: h[k] for k in ("quantized", "numel", "block") if k in h}
     return Message(h["kind"], h["learner"], h["incarnation"], h["version"], h["base"], h["tokens"], h["steps"],
                    h["name"], tensor, extra, h["boot"])
 
 
-def _payload_tensor(frames, h) -> torch.Tensor:
+def _payload_tensor(frames, h, into=None) -> torch.Tensor:
     """The tensor of payload frames that must be exactly ``ceil(payload / CHUNK)`` (at least one), each ``CHUNK``
     bytes but the last, summing to the announced size: one frame becomes a tensor over its memory, several are
-    copied into a tensor allocated only once their sizes were checked."""
+    copied into ``into(payload)`` (or a new tensor), allocated only once their sizes were checked."""
     n = h["payload"]
     want = max(1, -(-n // CHUNK))
     if len(frames) != want:
@@ -226,7 +234,8 @@ def _payload_tensor(frames, h) -> torch.Tensor:
         with warnings.catch_warnings():  # a received frame is read-only; nothing writes into it
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(bufs[0], dtype=h["dtype"]).view(h["shape"])
-    out = torch.empty(h["shape"], dtype=h["dtype"])
+    raw = into(n) if into is not None else None
+    out = (torch.empty(n, dtype=torch.uint8) if raw is None else raw).view(h["dtype"]).view(h["shape"])
     flat = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
     for i, b in enumerate(bufs):
         flat[i * CHUNK:i * CHUNK + len(b)] = b
