@@ -28,12 +28,16 @@
 # global batch 16: stock ZeRO-1 (ACCO_DS_AUTOPATCH=0), acco, and diloco (2 replicas of 2 ranks, a sync every
 # 5 inner steps; each replica holds all 4 experts). Nothing is saved: DeepSpeed 0.19.8 can neither save nor
 # load Megatron's MoE model (stock too; see the comment in moe()).
+# The case "decoupled" runs pipeline parallel 2 x data parallel 2 x TP 1 on 4 ranks as two decoupled learners of
+# 2 stages each (replica_group_size 1; the launch starts its own 2 syncer shards), a sync every 5 inner steps,
+# min_quorum 2 (K = M) and grace_s 0, 20 iterations, global batch 16, beside stock ZeRO-1 (ACCO_DS_AUTOPATCH=0)
+# and diloco of the same period: decoupled's lm loss must equal diloco's at every iteration. Nothing is saved.
 # Everything goes to $WORK (default /tmp/acco_megatron_layouts); nothing is written into this repository.
 #
-#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2|moe]...
+#   MEGATRON=/path/to/Megatron-DeepSpeed examples/megatron/cpu_layouts.sh [pipeline|no-pipeline|universal|pipeline2|moe|decoupled]...
 #
 # Same requirements as cpu_smoke.sh. Each layout takes about 15 minutes on 2 cores, "universal" about 6,
-# "pipeline2" about 2, "moe" about 3.
+# "pipeline2" about 2, "moe" about 3, "decoupled" about 2.
 set -euo pipefail
 MEGATRON=${MEGATRON:?set MEGATRON to a Megatron-DeepSpeed checkout}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -154,16 +158,55 @@ moe() {
   losses "$W/stock.log" "$W/acco.log" "$W/diloco.log" | tee "$W/losses.txt"
 }
 
+decoupled() {
+  local W="$WORK/decoupled" port=$((PORT + 80))
+  local pp2="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2"
+  local common='"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+ "steps_per_print": 4, "zero_optimization": {"stage": 1}'
+  mkdir -p "$W"; rm -f "$W"/*.log
+  echo "{$common, \"acco\": {\"enabled\": true, \"mode\": \"acco\"}}" > "$W/acco.json"
+  echo "{$common, \"acco\": {\"enabled\": true, \"mode\": \"diloco\",
+ \"local_sgd\": {\"sync_every\": 5, \"replica_group_size\": 1}}}" > "$W/diloco.json"
+  echo "{$common, \"acco\": {\"enabled\": true, \"mode\": \"decoupled\",
+ \"local_sgd\": {\"sync_every\": 5, \"replica_group_size\": 1, \"min_quorum\": 2, \"grace_s\": 0}}}" > "$W/decoupled.json"
+  run() {  # $1 = log name, $2 = config file; 4 ranks, 20 iterations, nothing saved (--save '')
+    local log=$1 config=$2; shift 2
+    port=$((port + 1))
+    RANKS=4 LAYOUT=$pp2 DS_CONFIG="$W/$config" GLOBAL_BATCH=16 train 20 "$port" "" "$@" 2>&1 | tee "$W/$log.log"
+  }
+  ACCO_DS_AUTOPATCH=0 run stock acco.json || status=1
+  run diloco diloco.json || status=1
+  run decoupled decoupled.json || status=1
+  if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+  for log in diloco decoupled; do
+    grep -q '^\[acco_ds\] ACCO engine:' "$W/$log.log" || { echo "$log: no '[acco_ds] ACCO engine:' line" >&2; status=1; }
+  done
+  echo "== decoupled: lm loss per iteration (2 learners of PP 2, K = M = 2, grace_s 0) against diloco =="
+  losses "$W/stock.log" "$W/diloco.log" "$W/decoupled.log" | tee "$W/losses.txt"
+  python - "$W/losses.txt" <<'PY' || status=1
+import sys
+rows = [line.split() for line in open(sys.argv[1])]
+loss = {}
+for r in rows:
+    loss.setdefault(r[0], {})[int(r[2])] = r[5]
+d, c = loss.get("diloco.log", {}), loss.get("decoupled.log", {})
+same = len(d) == 20 and d == c
+print(f"decoupled equals diloco at every iteration: {same}")
+sys.exit(0 if same else 1)
+PY
+}
+
 status=0
 for layout in "${@:-pipeline no-pipeline}"; do
   for name in $layout; do
     if [ "$name" = universal ]; then universal; continue; fi
     if [ "$name" = pipeline2 ]; then pipeline2; continue; fi
     if [ "$name" = moe ]; then moe; continue; fi
+    if [ "$name" = decoupled ]; then decoupled; continue; fi
     case $name in
       pipeline) LAYOUT="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
       no-pipeline) LAYOUT="--no-pipeline-parallel --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" ;;
-      *) echo "unknown layout $name (pipeline | no-pipeline | universal | pipeline2 | moe)" >&2; exit 2 ;;
+      *) echo "unknown layout $name (pipeline | no-pipeline | universal | pipeline2 | moe | decoupled)" >&2; exit 2 ;;
     esac
     W="$WORK/$name"; mkdir -p "$W"; rm -rf "$W"/ckpt*
     train 30 "$PORT" "$W/ckpt" --exit-interval 20 2>&1 | tee "$W/acco.log"
