@@ -1,7 +1,7 @@
 """A decision replayed after a restart may name a learner that has died since: shard 0 (its own process) ends
 abruptly (``ACCO_SYNCER_CRASH``, as SIGKILL would) right after it logged the decision to merge learners A and B,
 then B dies and only A comes back. The restarted shard takes B's Δ slice from its ``state_dir`` (every held slice
-is written there before it is acknowledged), makes the logged merge exactly as decided, and A's later merges
+is written there as it is acknowledged; shard 0 logs no decision before its slices are written), makes the logged merge exactly as decided, and A's later merges
 follow: nothing waits for B."""
 
 import json

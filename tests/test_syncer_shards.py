@@ -1,7 +1,7 @@
 """Two syncer shards of ``"mode": "decoupled"`` in this process, a learner of two ranks talking to them: shard 0
 decides, logs the decision before it announces it, and the follower merges the same learners' slices. A follower
 that dies after sending θ_g and before saving it (its checkpoint one merge behind) restarts, takes the decision
-again from shard 0's log and the Δ slice it names from its own state_dir (written there before it was
+again from shard 0's log and the Δ slice it names from its own state_dir (written there as it was
 acknowledged; the rank that kept it sends it again and is answered with the merge), and ends on the same weights
 as an undisturbed pair, bit for bit; shard 0 restarting does not end the follower."""
 

@@ -147,7 +147,7 @@ class Handlers:
         self.pending[msg.learner] = {"incarnation": msg.incarnation, "base": msg.base, "tokens": msg.tokens,
                                      "steps": msg.steps, "adopted": msg.version, "delta": msg.tensor,
                                      "ready": None, "conn": peer}
-        self._keep(msg.learner, self.pending[msg.learner])  # on disk before it is acknowledged
+        self._keep(msg.learner, self.pending[msg.learner])  # to the disk, on a thread (a replay may need it)
         self._send(peer, wire.Message("ACK", learner=msg.learner, version=self.state.version, base=msg.base))
         self._apply()  # a decision logged before a restart may wait for this slice
 

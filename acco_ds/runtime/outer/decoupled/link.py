@@ -193,7 +193,8 @@ class Link:
             self.waiting_base = None  # its merge came: a PONG of a PING sent before it says MERGED, rightly
         if msg.kind != "PONG":
             return msg
-        if self.waiting_base is not None and msg.steps != wire.HELD:
+        # before STATE (boot None) a PONG answers a PING of the socket this one replaced: it says nothing of this Δ
+        if self.waiting_base is not None and msg.steps != wire.HELD and self.boot is not None:
             why = "merged it but its θ_g did not arrive" if msg.steps == wire.MERGED else "does not hold it"
             raise wire.Closed(f"{self.where} {why} (learner {self.learner}, base {self.waiting_base})")
         return None

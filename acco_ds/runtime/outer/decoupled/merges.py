@@ -60,19 +60,34 @@ class HeldDeltas:
         return self._path(f"shard{self.index}-delta-{learner}-{incarnation}-{base}.pt")
 
     def _keep(self, learner: int, entry: dict) -> None:
-        """Write a Δ slice this shard holds next to its checkpoint before it is acknowledged: a decision replayed
-        after this process restarted merges it even if its learner died meanwhile (it would wait for it forever).
-        Not fsynced: it outlives the process, not the machine (then the learner's re-send covers it)."""
+        """Write a Δ slice this shard holds next to its checkpoint, on a thread of its own started as it is
+        acknowledged (shard 0 waits for it before it logs a decision naming it): a decision replayed after this
+        process restarted merges it even if its learner died meanwhile (it would wait for it forever). Not
+        fsynced: it outlives the process, not the machine (then the learner's re-send covers it)."""
         if self.state_dir is None:
             return
+        key = (learner, entry["incarnation"], entry["base"])
+        self._kept(*key)  # the same slice sent again: one write at a time
         rec = {k: entry[k] for k in ("incarnation", "base", "tokens", "steps", "adopted", "delta")}
-        path = self._delta_path(learner, entry["incarnation"], entry["base"])
+        writer = threading.Thread(target=self._write_delta, args=(self._delta_path(*key), rec), daemon=True)
+        self.writers[key] = writer
+        writer.start()
+
+    @staticmethod
+    def _write_delta(path: str, rec: dict) -> None:
         with open(path + ".tmp", "wb") as f:
             torch.save(rec, f)
         os.replace(path + ".tmp", path)
 
+    def _kept(self, learner: int, incarnation: int, base: int) -> None:
+        """Wait until that Δ slice is on disk, if it is being written."""
+        writer = self.writers.pop((learner, incarnation, base), None)
+        if writer is not None:
+            writer.join()
+
     def _recall(self, learner: int, incarnation: int, base: int) -> None:
         """The Δ slice a decision names and no learner sent to this process: from the disk, if it is there."""
+        self._kept(learner, incarnation, base)
         path = None if self.state_dir is None else self._delta_path(learner, incarnation, base)
         if path is None or learner in self.pending or not os.path.exists(path):
             return
@@ -81,6 +96,7 @@ class HeldDeltas:
         self.say(f"took the pseudo-gradient of learner {learner} (incarnation {incarnation}, base {base}) from {path}")
 
     def _forget(self, learner: int, incarnation: int, base: int) -> None:
+        self._kept(learner, incarnation, base)
         if self.state_dir is not None:
             try:
                 os.remove(self._delta_path(learner, incarnation, base))
@@ -98,6 +114,7 @@ class MergeRule(HeldDeltas):
     def resume(self) -> None:
         self.decided: Dict[int, list] = {}  # version -> [(learner, incarnation, base)], not applied yet
         self.early: Dict[tuple, "wire.Message"] = {}  # (peer, kind) -> a DELTA or READY from a version to come
+        self.writers: Dict[tuple, threading.Thread] = {}  # (learner, incarnation, base) -> the write of its Δ slice
         if self.state_dir is None:
             return
         os.makedirs(self.state_dir, exist_ok=True)
@@ -188,7 +205,9 @@ class MergeRule(HeldDeltas):
             return
         members = [(l, self.pending[l]["incarnation"], self.pending[l]["base"]) for l in ready]
         version = self.state.version + 1
-        if self.state_dir is not None:  # durable before anyone hears of it
+        if self.state_dir is not None:  # durable before anyone hears of it, with the Δ slices it names
+            for member in members:
+                self._kept(*member)
             append_line(self._path("decisions.jsonl"), {"version": version, "members": [list(m) for m in members]})
         self._announce(version, members)
         self._drill("decided", version)
