@@ -98,6 +98,8 @@ def test_two_replicas_of_one_rank_match_the_simulator():
     cases = [CASES[0], CASES[2], OVERLAP[1]]
     runs = [dict(config=common.ds_config(acco=block(1, **c), gas=GAS), steps=STEPS, record_committed=True)
             for c in cases + [dict(CASES[0], overlap=0)]]
+    # and finalized: STEPS is a multiple of H, so the last sync's gather is in flight at finalize
+    runs.append(dict(runs[2], record_committed=False, finalize=True))
     results = launch({"runs": runs}, world_size=2, timeout=240)
     check_against_simulator(results, 2, 1, cases)
     for rank in range(2):
@@ -114,6 +116,11 @@ def test_two_replicas_of_one_rank_match_the_simulator():
             assert held == outer_state_bytes(numel, 1, "sparseloco", overlap=sparse.get("overlap", 0)), (i, held)
     assert results[0][2]["stats"]["outer_state_peak_bytes"] - results[0][0]["stats"]["outer_state_peak_bytes"] == \
         4 * results[0][0]["group_numels"][0]
+    # finalize right after a sync lands its gather: every replica takes the anchor, one model (this raised on
+    # the DeepSpeed host: the masters are leaves that require grad)
+    finals = [results[rank][4]["final_params"] for rank in range(2)]
+    assert torch.equal(finals[0], finals[1]) and bool(torch.isfinite(finals[0]).all())
+    assert not torch.equal(finals[0], results[0][2]["params"][-1]), "the replica's own weights, not the anchor"
     # the overlapped rule is not the blocking one: after the first sync the replica is still on its own weights
     blocking = reference(2, 1, **dict(OVERLAP[1], overlap=0))
     assert (results[0][2]["params"][1] - blocking["replicas"][0][1]).abs().max() > 1e-4

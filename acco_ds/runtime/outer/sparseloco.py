@@ -117,9 +117,10 @@ class SparseLoCo(SparseCheckpoints, SparseOverlap, LocalSGD):
             fresh = self.schedule.inner == 0
             self.land_flight()
             if fresh:
-                for master, x in zip(self.shards.masters, self.anchor):
-                    master.copy_(x)
-                self._install(self.shards.masters)
+                with torch.no_grad():  # the masters are leaves that require grad, as in _sync
+                    for master, x in zip(self.shards.masters, self.anchor):
+                        master.copy_(x)
+                    self._install(self.shards.masters)
         self.finishing = True
         try:
             super().finalize()
