@@ -61,6 +61,9 @@ def test_an_instance_without_an_attribute_acco_reads_is_refused():
                                                     r"constructor.*for an optimizer is required"):
         check_instance(config, "DeepSpeedConfig")
     config.optimizer_name = "adamw"
+    with pytest.raises(DeepSpeedIncompatible, match=r"DeepSpeedConfig\.optimizer_params is not set"):
+        check_instance(config, "DeepSpeedConfig")
+    config.optimizer_params = None
     check_instance(config, "DeepSpeedConfig")
 
 

@@ -185,12 +185,13 @@ def test_what_pipelines_and_model_parallel_layouts_refuse_before_building_anythi
     mpu = types.SimpleNamespace(get_sequence_parallel_world_size=lambda: 4, get_model_parallel_world_size=lambda: 1)
     with pytest.raises(ValueError, match=r"does not support sequence parallelism \(size 4\)"):
         check_before_initialize(common.make_model(), mpu, {}, acco)
-    # MoE (tests/test_moe.py trains it): these modes, the rest by name
-    for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco"):
+    # MoE (tests/test_moe.py trains it): every mode, but not beside tensor parallelism
+    for mode in ("acco", "dpu", "sync", "diloco", "co2", "edit", "sparseloco", "decoupled"):
         check(parse_acco_config({"acco": {"enabled": True, "mode": mode}}), Layout(world=4, moe=True, ep_sizes=(2,),
                                                                                   ranks_per_node=2))
-    with pytest.raises(ValueError, match='acco.mode="decoupled" does not support MoE layers'):
-        check(parse_acco_config({"acco": {"enabled": True, "mode": "decoupled"}}), Layout(world=4, moe=True))
+    with pytest.raises(ValueError, match=r"ACCO with MoE layers does not support tensor or pipeline parallelism"):
+        check(parse_acco_config({"acco": {"enabled": True, "mode": "decoupled"}}),
+              Layout(world=4, moe=True, ep_sizes=(2,), ranks_per_node=2, tp=2))
 
 
 def test_config_from_args_deepspeed_config(tmp_path):

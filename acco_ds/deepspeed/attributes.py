@@ -70,6 +70,7 @@ INSTANCE_ATTRIBUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {
         ("world_size", "the data-parallel world size replicas are cut from"),
         ("managed_gradient_accumulation", "ACCO drives accumulation itself"),
         ("optimizer_name", "an optimizer is required"),
+        ("optimizer_params", "Muon: per_head_muon is refused"),
     ),
     "DeepSpeedZeroConfig": (
         ("overlap_comm", "to say it is not used (rounds overlap instead)"),
