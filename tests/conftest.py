@@ -17,6 +17,7 @@ from pytest's ``tmp_path``, which is per worker too.
 import fcntl
 import json
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    dist = sys.modules.get("dist")  # tests/dist.py, if this process launched ranks
+    if dist is not None:
+        dist.stop_forkserver()  # reaped here, so that its ranks' CPU time counts for the run
     if os.environ.get("ACCO_DS_STORE_DURATIONS") != "1" or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     table = {nodeid: round(s, 1) for nodeid, s in sorted(_took.items()) if s >= 0.5}

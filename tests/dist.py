@@ -37,6 +37,16 @@ def _forkserver():
     return _context
 
 
+def stop_forkserver():
+    """Stop the fork server and reap it (pytest's session end, ``tests/conftest.py``). It reaps the ranks it
+    forked; left to exit with this process, it would be reparented to init, and its ranks' CPU time would be
+    missing from what the run's parent (``make``, GNU ``time``) counts."""
+    import multiprocessing.forkserver as forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    if _context is not None and getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()  # CPython's own way to stop it (its test suite's): close the alive pipe, waitpid
+
+
 def _rank_main(worker: str, argv: list, env: dict, log_path: str):
     """A forked rank: its own environment and log, then the worker script as ``__main__``."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
