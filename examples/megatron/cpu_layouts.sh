@@ -48,6 +48,14 @@ SAVE_INTERVAL=10
 LAYOUT=x
 source "$HERE/common.sh"
 
+engines() {  # $1 = a case's folder, rest = its runs whose log must show ACCO's engine line; stock's must not
+  local dir=$1 log; shift
+  if grep -q '^\[acco_ds\]' "$dir/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
+  for log in "$@"; do
+    grep -q '^\[acco_ds\] ACCO engine:' "$dir/$log.log" || { echo "$log: no '[acco_ds] ACCO engine:' line" >&2; status=1; }
+  done
+}
+
 universal() {
   local W="$WORK/universal" port=$PORT
   local tp2="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1"
@@ -150,10 +158,7 @@ moe() {
   ACCO_DS_AUTOPATCH=0 run stock acco.json || status=1
   run acco acco.json || status=1
   run diloco diloco.json || status=1
-  if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
-  for log in acco diloco; do
-    grep -q '^\[acco_ds\] ACCO engine:' "$W/$log.log" || { echo "$log: no '[acco_ds] ACCO engine:' line" >&2; status=1; }
-  done
+  engines "$W" acco diloco
   echo "== moe: lm loss per iteration (DP 4, 4 experts, expert parallel 2) =="
   losses "$W/stock.log" "$W/acco.log" "$W/diloco.log" | tee "$W/losses.txt"
 }
@@ -177,10 +182,7 @@ decoupled() {
   ACCO_DS_AUTOPATCH=0 run stock acco.json || status=1
   run diloco diloco.json || status=1
   run decoupled decoupled.json || status=1
-  if grep -q '^\[acco_ds\]' "$W/stock.log"; then echo "ACCO_DS_AUTOPATCH=0 still ran ACCO" >&2; exit 1; fi
-  for log in diloco decoupled; do
-    grep -q '^\[acco_ds\] ACCO engine:' "$W/$log.log" || { echo "$log: no '[acco_ds] ACCO engine:' line" >&2; status=1; }
-  done
+  engines "$W" diloco decoupled
   echo "== decoupled: lm loss per iteration (2 learners of PP 2, K = M = 2, grace_s 0) against diloco =="
   losses "$W/stock.log" "$W/diloco.log" "$W/decoupled.log" | tee "$W/losses.txt"
   python - "$W/losses.txt" <<'PY' || status=1
