@@ -2,13 +2,18 @@
 abruptly (``ACCO_SYNCER_CRASH``, as SIGKILL would) right after it logged the decision to merge learners A and B,
 then B dies and only A comes back. The restarted shard takes B's Δ slice from its ``state_dir`` (every held slice
 is written there as it is acknowledged; shard 0 logs no decision before its slices are written), makes the logged merge exactly as decided, and A's later merges
-follow: nothing waits for B."""
+follow: nothing waits for B.
+
+Each held slice is fsynced (file and folder) before the decision that names it can exist: a follower shard
+fsyncs it before its ACK (shard 0 decides once every rank had its ACK), shard 0 before it logs the decision."""
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ import torch
 from acco_ds.runtime.outer.decoupled import transport, wire
 from acco_ds.runtime.outer.decoupled.link import Link
 from acco_ds.runtime.outer.decoupled.state import ShardState
+from acco_ds.runtime.outer.decoupled.syncer import Shard
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +92,59 @@ def test_a_replayed_decision_naming_a_dead_learner_is_merged_from_the_disk(tmp_p
     rule.step(rule.mean([dA2], [1]))
     assert second.version == 2 and torch.equal(second.tensor, rule.x)
     assert not list((tmp_path / "state").glob("shard0-delta-*"))  # each held slice is removed once its merge is saved
+
+
+def record_sends(shard, j, events) -> None:
+    send = shard._send
+
+    def recording_send(peer, msg, track=False):
+        events.append((msg.kind, j, threading.get_ident()))
+        send(peer, msg, track)
+
+    shard._send = recording_send
+
+
+@pytest.mark.timeout(60)
+def test_a_held_slice_is_fsynced_before_the_ack_of_a_follower_and_the_decision_of_shard_0(tmp_path, monkeypatch):
+    events = []  # (what, file or shard index, thread), in the order they happened
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), threading.get_ident()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    keys = transport.Keys(b"replay tests: a secret of 32+ bytes.")
+    shards, threads = [], []
+    for j in range(2):
+        s = Shard(j, "127.0.0.1", 0, SETTINGS, state_dir=str(tmp_path / "state"), keys=keys, timeout_s=5,
+                  leader=None if j == 0 else ("127.0.0.1", shards[0].port), say=lambda _: None)
+        record_sends(s, j, events)
+        shards.append(s.start())
+        threads.append(threading.Thread(target=s.serve, daemon=True))
+        threads[-1].start()
+    links = [Link(("127.0.0.1", s.port), 0, 9, j, 5, 1 << 20, keys) for j, s in enumerate(shards)]
+    try:
+        for link in links:  # one learner of two ranks: rank j talks to shard j
+            assert link.open(5) == wire.NO_VERSION
+            link.send(link.mine("INIT", name="theta", tensor=torch.zeros(16)))
+            link.send(link.mine("DELTA", base=0, tokens=1, steps=1, name="delta", tensor=torch.ones(16)))
+            link.recv("ACK")
+        links[0].send(links[0].mine("READY", base=0, steps=1))
+        for link in links:
+            link.waiting_base = 0
+            assert link.recv_params(16).version == 1
+    finally:
+        for link in links:
+            link.close()
+        for s, t in zip(shards, threads):
+            s.stop()
+            t.join(5)
+
+    def durable(j):  # where slice j's file and then its folder were fsynced
+        i = events.index(("fsync", f"shard{j}-delta-0-9-0.pt.tmp", ANY))
+        return i, next(k for k in range(i + 1, len(events)) if events[k] == ("fsync", "state", events[i][2]))
+
+    kinds = [e[:2] for e in events]
+    assert durable(1)[1] < kinds.index(("ACK", 1)), events
+    assert durable(0)[1] < kinds.index(("fsync", "decisions.jsonl")) < kinds.index(("MERGE", 0)), events

@@ -60,24 +60,28 @@ class HeldDeltas:
         return self._path(f"shard{self.index}-delta-{learner}-{incarnation}-{base}.pt")
 
     def _keep(self, learner: int, entry: dict) -> None:
-        """Write a Δ slice this shard holds next to its checkpoint, on a thread of its own started as it is
-        acknowledged (shard 0 waits for it before it logs a decision naming it): a decision replayed after this
-        process restarted merges it even if its learner died meanwhile (it would wait for it forever). Not
-        fsynced: it outlives the process, not the machine (then the learner's re-send covers it)."""
+        """Write a Δ slice this shard holds next to its checkpoint, fsynced (file and folder): a decision replayed
+        after this process or its machine restarted merges it even if its learner died meanwhile (it would wait for
+        it forever). The disk is read back only for a logged decision naming the slice, hence this order: shard 0
+        logs decisions itself, after joining the writes of the slices they name (``_maybe_merge``), so its write
+        runs on a thread from its ACK, beside the READY and the other learners' slices, not before the ACK. A
+        follower (j > 0) hears of a decision from shard 0, which decides once the learner's rank 0 said READY,
+        after every rank had its ACK: only the ACK orders a follower's write before the decision, so a follower
+        fsyncs before it answers ACK (on its rank's path; avoiding that would need a message to shard 0)."""
         if self.state_dir is None:
             return
         key = (learner, entry["incarnation"], entry["base"])
         self._kept(*key)  # the same slice sent again: one write at a time
         rec = {k: entry[k] for k in ("incarnation", "base", "tokens", "steps", "adopted", "delta")}
+        if self.index != 0:
+            return self._write_delta(self._delta_path(*key), rec)
         writer = threading.Thread(target=self._write_delta, args=(self._delta_path(*key), rec), daemon=True)
         self.writers[key] = writer
         writer.start()
 
     @staticmethod
     def _write_delta(path: str, rec: dict) -> None:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(rec, f)
-        os.replace(path + ".tmp", path)
+        durable_write(path, lambda f: torch.save(rec, f))
 
     def _kept(self, learner: int, incarnation: int, base: int) -> None:
         """Wait until that Δ slice is on disk, if it is being written."""
