@@ -2,7 +2,13 @@
 acco_ds.runtime.outer.decoupled.syncer``) sets ZeroMQ's ``MAXMSGSIZE`` to the largest legal frame (a payload piece,
 ``wire.CHUNK``, plus a header), so a frame above it closes the peer's connection before it is allocated: the shard
 stays up, θ_g is unchanged and its peak resident memory (``VmHWM``) does not grow by the frame. A payload that is
-not the size of the shard's slice is refused on its header, by name, before a byte of it is copied."""
+not the size of the shard's slice is refused on its header, by name, before a byte of it is copied.
+
+ZeroMQ bounds each frame but not how many make a message, and hands a message over only once all of its frames
+are in: a peer that holds the secret can make the shard hold a message of many 1 MiB frames before the header says
+that one frame was due. The shard refuses it by name (ERROR, ``frames``) and serves the next message; three such
+messages of 64 MiB in a row raise its peak resident memory by about two of them (the loop keeps the last one read
+until the next is complete), not three."""
 
 import os
 import re
@@ -99,4 +105,43 @@ def test_a_payload_of_the_wrong_size_is_refused_on_its_header(shard_process):
             a.recv("ACK")
     a.send(a.mine("GET"))
     assert torch.equal(a.recv("PARAMS", "theta", 256).tensor, torch.zeros(256))
+    a.done()
+
+
+@pytest.mark.timeout(120)
+def test_a_message_of_many_frames_is_held_whole_then_refused_on_its_frame_count(shard_process):
+    proc, port, keys = shard_process
+    theta = torch.randn(1024)
+    a = Link(("127.0.0.1", port), 0, 1, 0, 20, 1 << 30, keys)
+    assert a.open(20) == wire.NO_VERSION
+    a.send(a.mine("INIT", name="theta", tensor=theta))
+    a.send(a.mine("GET"))
+    assert torch.equal(a.recv("PARAMS", "theta", 1024).tensor, theta)
+    before = peak_rss(proc.pid)
+
+    # A peer that holds the secret sends messages of 64 frames of 1 MiB (each frame within ZMQ_MAXMSGSIZE), under
+    # the header of a DELTA of this shard's slice (1024 fp32 values: one payload frame of 4096 bytes).
+    frames = 64
+    ctx = zmq.Context()
+    rogue = transport.client(ctx, keys, "127.0.0.1", port, 1 << 40, 20)
+    transport.handshake(rogue, transport.endpoint("127.0.0.1", port), 20, "the shard", True)
+    head = wire.encode(wire.Message("DELTA", learner=0, incarnation=1, steps=1, name="delta",
+                                    tensor=torch.zeros(1024)))[0]
+    for _ in range(3):  # one after the other: they do not pile up
+        rogue.send_multipart([head] + [bytearray(wire.CHUNK)] * frames, copy=False)
+        assert rogue.poll(30_000), "the shard did not answer"
+        answer = wire.decode(rogue.recv_multipart(), 1 << 20)
+        assert answer.kind == "ERROR" and answer.text == f"refused message: frames: {frames} payload frames, 4096 " \
+                                                         f"bytes travel in 1", answer.text
+    rogue.close(0)
+    ctx.term()
+
+    assert proc.poll() is None, "the shard went down"
+    a.send(a.mine("GET"))
+    got = a.recv("PARAMS", "theta", 1024)
+    assert got.version == 0 and torch.equal(got.tensor, theta)
+    # Each held whole (libzmq bounds a frame, not the frames of a message); the shard's loop keeps the message it
+    # read last until the next one is complete, so two are held at a time, never three.
+    grew = peak_rss(proc.pid) - before
+    assert frames * wire.CHUNK * 3 // 4 < grew < 3 * frames * wire.CHUNK, f"peak resident memory grew by {grew} bytes"
     a.done()
