@@ -1,7 +1,7 @@
 """Launch test scenarios on several CPU ranks (gloo), with a hard timeout."""
 
+import io
 import json
-import multiprocessing
 import os
 import runpy
 import shutil
@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing import context as mp_context, forkserver as mp_forkserver, popen_forkserver, spawn
+from multiprocessing import util as mp_util
 from pathlib import Path
 
 import torch
@@ -19,32 +21,60 @@ from acco_ds.testing.ports import free_port  # noqa: F401 - one picker for tests
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "workers.py"
-# Ranks are forked from a server that has imported torch, DeepSpeed and acco_ds once (multiprocessing's
-# forkserver, as DeepSpeed's own unit tests reuse a process pool): a rank then starts in milliseconds instead of
-# ~2.5 s of imports per process. Only for workers.py (the DeepSpeed host): other workers (the torch host never
-# imports DeepSpeed) start fresh, as every rank does with ACCO_TEST_FORKSERVER=0.
+TORCH_WORKER = HERE / "torch_workers.py"
+# Ranks are forked from a server that has imported their modules once (multiprocessing's forkserver, as
+# DeepSpeed's own unit tests reuse a process pool): a rank then starts in milliseconds instead of ~2.5 s of
+# imports per process. One server per worker script: workers.py (the DeepSpeed host) from one that imported
+# DeepSpeed, torch_workers.py (the torch host) from one that never did, and each of its ranks checks that
+# DeepSpeed is not imported. Other workers start fresh, as every rank does with ACCO_TEST_FORKSERVER=0.
 FORKSERVER = os.environ.get("ACCO_TEST_FORKSERVER", "1") != "0"
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "acco_ds", "acco_ds.deepspeed"]
-_context = None
+PRELOAD = {WORKER: ["torch", "torch.distributed", "deepspeed", "acco_ds", "acco_ds.deepspeed"],
+           TORCH_WORKER: ["torch", "torch.distributed", "torch.distributed.fsdp", "acco_ds", "acco_ds.torch"]}
+WITHOUT_DEEPSPEED = {TORCH_WORKER}
+_servers = {}  # worker script -> its multiprocessing.forkserver.ForkServer
 
 
-def _forkserver():
-    global _context
-    if _context is None:
+def _server(worker: Path):
+    if worker not in _servers:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when the server imports DeepSpeed
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
+        _servers[worker] = mp_forkserver.ForkServer()
+        _servers[worker].set_forkserver_preload(PRELOAD[worker])
+    return _servers[worker]
 
 
 def stop_forkserver():
-    """Stop the fork server and reap it (pytest's session end, ``tests/conftest.py``). It reaps the ranks it
+    """Stop the fork servers and reap them (pytest's session end, ``tests/conftest.py``). Each reaps the ranks it
     forked; left to exit with this process, it would be reparented to init, and its ranks' CPU time would be
     missing from what the run's parent (``make``, GNU ``time``) counts."""
-    import multiprocessing.forkserver as forkserver
-    server = getattr(forkserver, "_forkserver", None)
-    if _context is not None and getattr(server, "_forkserver_pid", None) is not None:
+    for server in _servers.values():
         server._stop()  # CPython's own way to stop it (its test suite's): close the alive pipe, waitpid
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen, on the server of the rank's worker script instead of the one
+    server of the process (the stdlib's ``_launch``, with ``_servers[...]`` for ``forkserver``)."""
+
+    def _launch(self, process_obj):
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            mp_context.reduction.dump(prep_data, buf)
+            mp_context.reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = _servers[Path(process_obj.worker)].connect_to_new_process(self._fds)
+        parent_w = os.dup(w)  # the child's sentinel of its parent, as in the stdlib
+        self.finalizer = mp_util.Finalize(self, mp_util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = mp_forkserver.read_signed(self.sentinel)
+
+
+class _RankProcess(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _ServerPopen(process_obj)
 
 
 def _rank_main(worker: str, argv: list, env: dict, log_path: str):
@@ -55,6 +85,11 @@ def _rank_main(worker: str, argv: list, env: dict, log_path: str):
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    if Path(worker) in WITHOUT_DEEPSPEED:
+        imported = sorted(m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed."))
+        if imported:
+            raise RuntimeError(f"{worker} runs without DeepSpeed, but its fork server imported {imported[:5]}: "
+                               f"take DeepSpeed out of PRELOAD[{Path(worker).name!r}] in tests/dist.py")
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     sys.argv = [worker] + argv
     sys.path[:0] = [str(Path(worker).parent), str(ROOT), str(HERE)]
@@ -65,7 +100,9 @@ class _ForkedRank:
     """The subprocess.Popen calls ``launch`` makes, on a forked rank."""
 
     def __init__(self, worker, argv, env, log_path):
-        self.proc = _forkserver().Process(target=_rank_main, args=(str(worker), argv, env, str(log_path)))
+        _server(Path(worker))
+        self.proc = _RankProcess(target=_rank_main, args=(str(worker), argv, env, str(log_path)))
+        self.proc.worker = str(worker)
         self.proc.start()
 
     def wait(self, timeout=None):
@@ -80,9 +117,6 @@ class _ForkedRank:
     @property
     def returncode(self):
         return self.proc.exitcode
-
-
-
 
 
 def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failure: bool = False, workdir=None,
@@ -102,7 +136,7 @@ def launch(spec: dict, world_size: int = 2, timeout: float = 300.0, expect_failu
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        if FORKSERVER and Path(worker) == WORKER:  # the torch host's workers must not have DeepSpeed imported
+        if FORKSERVER and Path(worker) in PRELOAD:
             procs.append(_ForkedRank(worker, [str(spec_path), str(workdir)], rank_env, workdir / f"rank{rank}.log"))
             continue
         log = open(workdir / f"rank{rank}.log", "w")
