@@ -11,6 +11,9 @@ WORKERS ?= 2
 # JIT-built ops (DeepSpeed's shared-memory op, its fused Adam) live beside the venv that built them: a shared
 # ~/.cache/torch_extensions would be rebuilt (a minute or more) whenever another checkout's venv ran last.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+# ...built by the venv's ninja, as the tests build them (tests/conftest.py puts the venv's bin first on PATH): a
+# system ninja of another version keeps another .ninja_log format, and each switch rebuilds the op from scratch.
+NINJA_PATH := PATH="$(abspath $(BIN)):$$PATH"
 
 .PHONY: install demo test test-fast docs bench-kernels bench-cluster clean
 
@@ -30,12 +33,12 @@ $(STAMP): setup.py requirements-dev.txt constraints.txt $(OPS_SOURCES)
 	$(BIN)/python -c "import acco_ds.ops.acco_cpu_ops_op"
 	# DeepSpeed's CPU backend JIT-builds its own shared-memory op at the first init_distributed, and its fused
 	# Adam for an "AdamW" without torch_adam: build both now, so that demo and test compile nothing.
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	DS_ACCELERATOR=cpu $(NINJA_PATH) $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
 		[a().create_op_builder(n).load() for n in ('ShareMemCommBuilder', 'FusedAdamBuilder')]"
 	touch $@
 
 demo: $(STAMP)
-	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(NINJA_PATH) $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config configs/acco_cpu.json --steps $(STEPS)
 
 # pytest-xdist workers (WORKERS, default 2: one per core); tests marked `alone` hold the machine to themselves

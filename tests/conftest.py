@@ -12,7 +12,16 @@ other worker's current test ends. Single-process tests take no lock: one process
 core to the ``alone`` test. Ports (``dist.free_port``) come from a block of the worker's own, temporary folders
 from pytest's ``tmp_path``, which is per worker too.
 
-``ACCO_DS_STORE_DURATIONS=1 make test`` rewrites ``tests/durations.json`` from the run."""
+``ACCO_DS_STORE_DURATIONS=1 make test`` rewrites ``tests/durations.json`` from the run.
+
+One ninja. The venv's ``bin`` goes first on ``PATH`` for the whole run, so every JIT build of an op (DeepSpeed's
+shared-memory op at each rank's ``init_distributed``) runs the venv's ninja: a system ninja of another version
+keeps another ``.ninja_log`` format, and each switch between the two rebuilt the op from scratch (about a minute
+of CPU, inside whichever test met it first).
+
+Compiled modules kept. ``PYTHONDONTWRITEBYTECODE`` is taken out of the run's environment: with it, every process
+the suite starts (ranks, launchers, examples) compiled acco_ds, the tests and the examples from source again,
+about 0.3 s of CPU each; without it they share the ``__pycache__`` folders (ignored by git)."""
 
 import fcntl
 import json
@@ -25,6 +34,7 @@ from pathlib import Path
 import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
+VENV_BIN = str(Path(sys.executable).parent)
 UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.5  # a test not in the table yet: a typical one of its kind
 
 
@@ -71,6 +81,16 @@ def _one_machine(request):
 
 def _key(nodeid: str) -> str:
     return nodeid.split("@")[0]  # xdist appends "@group" under --dist loadgroup
+
+
+def pytest_configure(config):
+    """The venv's ``bin`` first on ``PATH`` (its ninja for every JIT build), and compiled modules kept, in this
+    process and what it starts."""
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        sys.dont_write_bytecode = False
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != VENV_BIN:
+        os.environ["PATH"] = os.pathsep.join([VENV_BIN, path]) if path else VENV_BIN
 
 
 def pytest_itemcollected(item):
