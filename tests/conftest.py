@@ -21,7 +21,7 @@ of CPU, inside whichever test met it first).
 
 Compiled modules kept. ``PYTHONDONTWRITEBYTECODE`` is taken out of the run's environment: with it, every process
 the suite starts (ranks, launchers, examples) compiled acco_ds, the tests and the examples from source again,
-about 0.3 s of CPU each; without it they share the ``__pycache__`` folders (ignored by git)."""
+about 0.1 s of CPU each; without it they share the ``__pycache__`` folders (ignored by git)."""
 
 import fcntl
 import json
