@@ -77,14 +77,17 @@ def test_compression_of_the_inner_steps_or_the_up_link_is_accepted():
 
 
 def test_a_learner_says_its_shape_in_one_hello_name():
-    """``dp{k}.tp{tp}.pp{pp}.ep{ep}.n{elements}``: the characters a wire name may hold, within its 64 bytes."""
+    """``dp{k}.tp{tp}.pp{pp}.ep{ep}.n{elements}.g{crc32 of the group sizes}``: dp 0 (any size) for a dense learner,
+    its size with experts; the characters a wire name may hold, within its 64 bytes."""
+    import zlib
     from types import SimpleNamespace
 
     from acco_ds.config.decoupled import layout_name
     from acco_ds.runtime.outer.decoupled import wire
     groups = SimpleNamespace(k=2, tensor_parallel=2)
-    name = layout_name(groups, 4, SimpleNamespace(gather=None), 10**12)
-    assert name == "dp2.tp2.pp2.ep1.n1000000000000"
+    name = layout_name(groups, 4, SimpleNamespace(gather=None), [10**12, 10**12 - 1])
+    assert name == f"dp0.tp2.pp2.ep1.n{2 * 10**12 - 1}.g{zlib.crc32(b'1000000000000,999999999999'):08x}"
     assert len(name) <= wire.MAX_NAME and all(c in wire.NAME_CHARS for c in name.encode())
-    assert layout_name(SimpleNamespace(k=1, tensor_parallel=1), 1, SimpleNamespace(gather=[None]), 7) == \
-        "dp1.tp1.pp1.ep1.n7"
+    one = layout_name(SimpleNamespace(k=1, tensor_parallel=1), 1, SimpleNamespace(gather=[None]), [3, 4])
+    assert one.startswith("dp0.tp1.pp1.ep1.n7.g") and one != layout_name(
+        SimpleNamespace(k=1, tensor_parallel=1), 1, SimpleNamespace(gather=[None]), [4, 3])

@@ -132,16 +132,17 @@ def test_a_learner_of_another_shape_is_refused_naming_both(tmp_path):
         finally:
             link.close()
     try:
-        assert hello(0, "dp2.tp1.pp1.ep2.n62") == wire.NO_VERSION
+        assert hello(0, "dp2.tp1.pp1.ep2.n62.g0000abcd") == wire.NO_VERSION
         with pytest.raises(wire.Refused) as err:
-            hello(1, "dp1.tp2.pp1.ep1.n40")
-        assert hello(2, "dp2.tp1.pp1.ep2.n62") == wire.NO_VERSION and hello(0, "") == wire.NO_VERSION
+            hello(1, "dp0.tp2.pp1.ep1.n40.g1234abcd")
+        assert hello(2, "dp2.tp1.pp1.ep2.n62.g0000abcd") == wire.NO_VERSION and hello(0, "") == wire.NO_VERSION
     finally:
         shard.stop()
         thread.join(5)
     assert str(err.value) == ("the peer refused: refused message: layout: "
-                              + shape_refusal(1, "dp1.tp2.pp1.ep1.n40", "dp2.tp1.pp1.ep2.n62", 0))
-    assert ('learner 1 runs as 1 data-parallel rank(s) x tensor parallel 2 x pipeline 1, expert parallel 1 (40 '
-            'elements at this rank), but learner 0 as 2 data-parallel rank(s) x tensor parallel 1 x pipeline 1, '
-            'expert parallel 2 (62 elements at this rank)') in str(err.value)
-    assert "launch every learner with the same replica_group_size" in str(err.value)
+                              + shape_refusal(1, "dp0.tp2.pp1.ep1.n40.g1234abcd", "dp2.tp1.pp1.ep2.n62.g0000abcd", 0))
+    assert ('learner 1 runs as any number of data-parallel ranks x tensor parallel 2 x pipeline 1, expert parallel '
+            '1 (40 elements at this model-parallel position, parameter groups 1234abcd), but learner 0 as 2 '
+            'data-parallel rank(s) (experts) x tensor parallel 1 x pipeline 1, expert parallel 2 (62 elements at '
+            'this model-parallel position, parameter groups 0000abcd)') in str(err.value)
+    assert "launch this learner with the first one's model and sizes" in str(err.value)

@@ -88,6 +88,7 @@ def run(spec, rank, world):
     import deepspeed
 
     import acco_ds
+    os.environ.update(spec.get("env", {}))  # a learner launched on its own: ACCO_LEARNER_ID
     data_rank = rank
     if spec.get("tp"):  # tensor parallelism with a Megatron-style mpu: data comes by data-parallel rank
         import tp
@@ -137,6 +138,7 @@ def run(spec, rank, world):
     if int(spec.get("pipe", 0)) > 1:  # each stage's ranks read the data of their data-parallel rank
         data_rank = engine.grid.get_data_parallel_id()
         layout = {"stage": engine.stage_id, "dp": data_rank}
+    data_rank += spec.get("data_rank_offset", 0)  # a launch that is one learner among others: their data follows
 
     out = {"params": [], "norms": [], "losses": [], "applied": [], "layout": layout}
     micro = 0

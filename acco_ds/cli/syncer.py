@@ -5,9 +5,11 @@
     acco-ds syncer --config ds_config.json --shards 2 --port 29600 --host 0.0.0.0 \\
         --auth-file /etc/acco/syncer.key --state-dir /ckpt/syncer --learners 3
 
-Shard j (one CPU process each) listens on port + j and serves rank j of every learner; shard 0 decides the
-merges. The outer settings (outer_lr, outer_momentum, nesterov, min_quorum, grace_s, merge, staleness,
-nesterov_delay, liveness_s) come from the config's ``acco`` block, as the learners read it. With ``--auth-file``
+Shard j (one CPU process each) listens on port + j and holds part j of the global model, cut as a ZeRO-1
+optimizer of ``--shards`` ranks would cut it; a learner of as many ranks sends each rank's partition as it is, a
+learner of another size moves its pieces between its ranks first (``runtime/outer/decoupled/layout.py``), so
+learners of different sizes share one syncer. Shard 0 decides the merges. The outer settings (outer_lr,
+outer_momentum, nesterov, min_quorum, grace_s, merge, staleness, nesterov_delay, liveness_s) come from the config's ``acco`` block, as the learners read it. With ``--auth-file``
 (or ``acco.local_sgd.syncer.auth_file``) every peer proves it holds the secret and all traffic is encrypted
 (CURVE); without one the syncer binds loopback only. With ``--state-dir`` every shard checkpoints after every
 merge, and running the command again on the same folder resumes. With ``--learners M`` no merge happens before M
@@ -48,7 +50,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--make-secret", metavar="PATH", help="write a new secret (32 random bytes, mode 600) and exit")
     ap.add_argument("--config", help="the learners' DeepSpeed config (its acco block)")
     ap.add_argument("--shards", type=int,
-                    help="ranks per learner: replica_group_size x tensor x pipeline parallel sizes")
+                    help="CPU processes that hold the global model, each a part of it (any number for dense "
+                         "learners; a multiple of the tensor x pipeline parallel size; with experts, the ranks "
+                         "per learner)")
     ap.add_argument("--port", type=int, help="shard j listens on port + j")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; any other needs "
                                                         "--auth-file)")
@@ -64,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
 def shard_cmd(args, s, j: int, state_dir: str, auth_file) -> list:
     leader = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     cmd = [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--index", str(j), "--host", args.host,
-           "--port", str(args.port + j), "--settings", json.dumps(s["settings"]),
+           "--shards", str(args.shards), "--port", str(args.port + j), "--settings", json.dumps(s["settings"]),
            "--min-quorum", str(s["min_quorum"]), "--grace-s", str(s["grace_s"]), "--state-dir", state_dir,
            "--timeout-s", str(s["timeout_s"]), "--max-message-mb", str(s["max_message_mb"]),
            "--liveness-s", str(s["liveness_s"]), "--max-connections", str(args.max_connections)]

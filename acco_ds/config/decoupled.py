@@ -143,29 +143,38 @@ def check_decoupled(acco) -> None:
                          'acco.local_sgd.syncer.address to run one launch per learner)')
 
 
-def layout_name(groups, mp: int, shards, numel: int) -> str:
-    """A learner's shape as its ranks say it at HELLO (``dp2.tp1.pp1.ep2.n1234``): data-parallel ranks ``k``,
-    tensor-parallel and pipeline sizes, the largest expert-parallel size inside it, and the elements of this rank's
-    slice. ``groups``: the host's ``ReplicaGroups``; ``mp``: its model-parallel size; ``shards``: its ``Shards``."""
+def layout_name(groups, mp: int, shards, sizes) -> str:
+    """A learner's shape as its ranks say it at HELLO (``dp0.tp1.pp1.ep1.n1234.g0a1b2c3d``): data-parallel ranks
+    ``k`` (0: any, a dense learner's pieces are moved into the syncer's parts, ``decoupled/layout.py``; with
+    experts, ``k``: their partitions are sent as they are), tensor-parallel and pipeline sizes, the largest
+    expert-parallel size inside it, the elements of the model at this rank's model-parallel position and a
+    checksum of its parameter groups' sizes. ``groups``: the host's ``ReplicaGroups``; ``mp``: its
+    model-parallel size; ``shards``: its ``Shards``; ``sizes``: the elements of each parameter group."""
+    import zlib
+
     import torch.distributed as tdist
     tp = groups.tensor_parallel if mp > 1 else 1
     ep = max([groups.k // tdist.get_world_size(group=g[1]) for g in (shards.gather or []) if g is not None],
              default=1)
-    return f"dp{groups.k}.tp{tp}.pp{mp // tp}.ep{ep}.n{numel}"
+    dp = groups.k if any(g is not None for g in (shards.gather or [])) else 0
+    check = zlib.crc32(",".join(map(str, sizes)).encode())
+    return f"dp{dp}.tp{tp}.pp{mp // tp}.ep{ep}.n{sum(sizes)}.g{check:08x}"
 
 
 def _shape_words(name: str) -> str:
-    dp, tp, pp, ep, n = name.split(".")
-    return (f"{dp[2:]} data-parallel rank(s) x tensor parallel {tp[2:]} x pipeline {pp[2:]}, expert parallel "
-            f"{ep[2:]} ({n[1:]} elements at this rank)")
+    dp, tp, pp, ep, n, g = name.split(".")
+    ranks = "any number of data-parallel ranks" if dp == "dp0" else f"{dp[2:]} data-parallel rank(s) (experts)"
+    return (f"{ranks} x tensor parallel {tp[2:]} x pipeline {pp[2:]}, expert parallel {ep[2:]} ({n[1:]} elements "
+            f"at this model-parallel position, parameter groups {g[1:]})")
 
 
 def shape_refusal(learner: int, name: str, first: str, first_learner: int) -> str:
     """What a syncer shard answers a learner whose shape is not the first learner's (``layout_name``)."""
     return (f'acco.mode "decoupled": learner {learner} runs as {_shape_words(name)}, but learner {first_learner} '
-            f"as {_shape_words(first)}. The syncer shards by learner rank (shard j holds rank j's slice of every "
-            f"learner's model), so learners of different shapes cannot share it: launch every learner with the same "
-            f"replica_group_size, tensor, pipeline and expert-parallel sizes, or give this one a syncer of its own")
+            f"as {_shape_words(first)}. The syncer holds one model cut at fixed places: learners may differ in "
+            f"data-parallel size (without experts), not in their model, its parameter groups, or their tensor, "
+            f"pipeline and expert-parallel sizes: launch this learner with the first one's model and sizes, or "
+            f"give it a syncer of its own")
 
 
 def learner_launch_size(acco, world_size: int) -> Optional[int]:

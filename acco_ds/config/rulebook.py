@@ -14,8 +14,10 @@ checks them when it builds the piece they are about:
 - a tensor-parallel parameter without Megatron's ``partition_dim`` under sparseloco (``runtime/outer/sparse_tp.py``);
 - a Streaming DiLoCo fragment that gets no parameter (``runtime/outer/streaming.py``);
 - an expert-parallel group that crosses a replica, outside DeepSpeed's default expert layout (``deepspeed/moe.py``);
-- decoupled learners of different shapes on one syncer (the first learner's shape holds; a shard refuses another
-  at HELLO: ``runtime/outer/decoupled/handlers.py``, ``config/decoupled.shape_refusal``);
+- decoupled learners of another model, tensor, pipeline or expert-parallel size on one syncer (the first
+  learner's holds; a shard refuses another at HELLO: ``runtime/outer/decoupled/handlers.py``,
+  ``config/decoupled.shape_refusal``), and a syncer whose shard count does not suit a learner
+  (``runtime/outer/decoupled/connect.py``);
 - a checkpoint saved on another layout, mode or ``ep_size`` (``deepspeed/checkpoint.py``, ``runtime/reshard.py``);
 - the torch host's model and optimizer themselves (``acco_ds/torch/__init__.py``);
 - DeepSpeed's own settings beside the block (ZeRO stage, offload, ZenFlow: ``check_deepspeed_config``).

@@ -57,12 +57,12 @@ from .decoupled_parts import Contribution, Learners, MergeRecord, OuterRule, aut
 
 
 def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: Callable, *, learners: int,
-                       group_size: int, gradient_accumulation_steps: int, sync_every: int, periods: int,
+                       group_size, gradient_accumulation_steps: int, sync_every: int, periods: int,
                        optimizer_fn: Callable, outer_lr: float, outer_momentum: float, nesterov: bool,
                        min_quorum: int = 1, grace_s: float = 0.0, merge: str = "tokens", staleness: str = "none",
                        nesterov_delay: Optional[int] = None, step_time: Optional[Sequence[float]] = None,
                        deaths: Optional[Dict[int, float]] = None, rejoins: Optional[Dict[int, float]] = None,
-                       tokens_per_step: int = 1, lr_lambda=None, clip: float = 0.0, adopt: str = "wait",
+                       tokens_per_step=1, lr_lambda=None, clip: float = 0.0, adopt: str = "wait",
                        compression: Optional[dict] = None, dtype: torch.dtype = torch.float64) -> dict:
     """Run every learner ``periods`` periods of ``sync_every`` inner steps in virtual time (``step_time[i]``
     seconds per inner step of learner i, default 1). ``deaths[i]``: learner i dies at that time (its period in
@@ -71,11 +71,13 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
     [MergeRecord], "learner_periods": [...], "idle_s": [...]}``. With ``min_quorum`` = learners and
     ``grace_s`` 0 (adopt "wait", no compression) the result is ``simulate_local_sgd("diloco", ...)``'s anchor.
     ``adopt``: "wait" or "overlap" (module docstring); ``compression``: the up-link's ``{"dtype",
-    "block_size", "error_feedback"}``."""
+    "block_size", "error_feedback"}``. ``group_size`` and ``tokens_per_step``: one for every learner, or a list
+    (learners of different sizes; their ranks are numbered learner after learner, ``Learners``)."""
     if adopt not in ("wait", "overlap"):
         raise ValueError(f"adopt must be 'wait' or 'overlap', got {adopt!r}")
     M = learners
     step_time = list(step_time or [1.0] * M)
+    tokens = [tokens_per_step] * M if isinstance(tokens_per_step, int) else list(tokens_per_step)
     deaths, rejoins = dict(deaths or {}), dict(rejoins or {})
     L = Learners(model, loss_fn, micro_batch, M, group_size, gradient_accumulation_steps, optimizer_fn, clip,
                  lr_lambda, dtype, compression)
@@ -162,7 +164,7 @@ def simulate_decoupled(model: torch.nn.Module, loss_fn: Callable, micro_batch: C
                 span = t - last_arrival[i]
                 period_ewma[0] = span if period_ewma[0] is None else 0.7 * period_ewma[0] + 0.3 * span
             last_arrival[i] = t
-            pending[i] = (data[1], Contribution(i, base[i], steps[i], steps[i] * tokens_per_step, adopted[i]), t)
+            pending[i] = (data[1], Contribution(i, base[i], steps[i], steps[i] * tokens[i], adopted[i]), t)
             waiting_since[i] = t
             maybe_merge(t)
         elif kind == "check":

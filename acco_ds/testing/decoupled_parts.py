@@ -96,14 +96,19 @@ class OuterRule:
 
 
 class Learners:
-    """M learners of ``k`` ranks in float64; learner ``i``'s rank ``r`` reads ``micro_batch(i*k + r, n)``.
-    ``compression``: ``{"dtype", "block_size", "error_feedback"}`` of the up-link, or None (fp32)."""
+    """M learners of ``k`` ranks in float64 (``k``: one size, or each learner's); the ranks are numbered learner
+    after learner, and rank ``r`` reads ``micro_batch(r, n)`` (learners of one size: learner ``i``'s rank ``j`` is
+    ``i k + j``). ``compression``: ``{"dtype", "block_size", "error_feedback"}`` of the up-link, or None (fp32)."""
 
     def __init__(self, model, loss_fn, micro_batch, M, k, gas, optimizer_fn, clip, lr_lambda, dtype,
                  compression: Optional[dict] = None):
-        self.M, self.k, self.gas, self.loss_fn, self.micro_batch, self.clip = M, k, gas, loss_fn, micro_batch, clip
+        self.sizes = [k] * M if isinstance(k, int) else [int(n) for n in k]
+        if len(self.sizes) != M:
+            raise ValueError(f"group sizes {self.sizes} name {len(self.sizes)} learners, not {M}")
+        self.first = [sum(self.sizes[:i]) for i in range(M)]  # each learner's first rank
+        self.M, self.gas, self.loss_fn, self.micro_batch, self.clip = M, gas, loss_fn, micro_batch, clip
         self.models, self.opts, self.scheds, self.params = make_replicas(model, M, optimizer_fn, lr_lambda, dtype)
-        self.nxt = [0] * (M * k)
+        self.nxt = [0] * sum(self.sizes)
         self.dtype = dtype
         self.sent: List[Optional[torch.Tensor]] = [None] * M  # each learner's weights at its last send
         self.quant = None if compression is None else Quantizer(compression["dtype"], compression["block_size"],
@@ -135,7 +140,8 @@ class Learners:
         for n in range(steps):
             if n == adopt_at and n > 0:
                 adopt()
-            replica_inner_step(self.models[i], self.params[i], range(i * self.k, (i + 1) * self.k), self.gas,
+            ranks = range(self.first[i], self.first[i] + self.sizes[i])
+            replica_inner_step(self.models[i], self.params[i], ranks, self.gas,
                                self.nxt, self.loss_fn, self.micro_batch, self.opts[i], self.clip, self.scheds[i])
         if adopt_at >= steps > 0:
             adopt()
@@ -147,7 +153,7 @@ class Learners:
         ``padded_numel(n, k)``, k equal parts) quantized with that rank's residual, dequantized."""
         if self.quant is None:
             return delta
-        n, k = delta.numel(), self.k
+        n, k = delta.numel(), self.sizes[i]
         padded = torch.cat([delta, delta.new_zeros(padded_numel(n, k) - n)])
         P = padded.numel() // k
         return torch.cat([self.quant.send(padded[r * P:(r + 1) * P], key=(i, r)) for r in range(k)])[:n]

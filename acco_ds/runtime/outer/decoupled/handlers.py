@@ -84,7 +84,8 @@ class Handlers:
                 self._drop(msg.learner, old)
             self._touch(msg.learner, msg.incarnation)
         self._send(peer, wire.Message("STATE", version=self.state.version, tokens=int(self.liveness_s * 1000),
-                                      base=self._needed(msg.learner, msg.incarnation), incarnation=token))
+                                      steps=self.shards, base=self._needed(msg.learner, msg.incarnation),
+                                      incarnation=token))
 
     def _needed(self, learner: int, incarnation: int) -> int:
         """The base version of ``learner``'s Δ that a logged decision names and this shard lacks (it restarted

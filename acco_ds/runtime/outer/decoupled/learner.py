@@ -1,17 +1,21 @@
 """The learner side of ``"mode": "decoupled"``: a replica group that never waits for another.
 
 Every rank of a learner holds its ZeRO-1 partition of the model (the fp32 master shards of every parameter
-group, end to end, its own experts' among them: its *slice*) and talks to one syncer shard only (``link.Link``):
-rank j of the learner's ``k`` data-parallel ranks at model-parallel position m (a tensor-parallel slice or a
-pipeline stage, ``groups.model_main``) is the learner's rank ``m k + j`` and talks to shard ``m k + j``. Learners
-of one shape (the same ``k``, tensor, pipeline and expert-parallel sizes) hold the same slice at the same rank; the
-syncer refuses a learner of another shape (``layout_name``). A period (``sync_every`` inner
-steps, or ``sync_every_s`` seconds) ends with::
+group, end to end, its own experts' among them). The syncer holds the global model cut into parts, one per shard
+(``layout``: the partitions of a learner of as many ranks as the syncer has shards per model-parallel position),
+so learners of any data-parallel size share it; the syncer refuses a learner of another model or tensor,
+pipeline or expert-parallel size (``layout_name``). Rank j of the learner's ``k`` data-parallel ranks at
+model-parallel position m (a tensor-parallel slice or a pipeline stage, ``groups.model_main``) holds the links
+to the shards of the parts ``i ≡ j (mod k)`` of position m (``connect``): a learner of the syncer's size, rank
+``m k + j`` to shard ``m k + j``, its partition as it is; another moves its Δ into the syncer's parts, and θ_g
+back, with one all-to-all inside the learner. A period (``sync_every`` inner steps, or ``sync_every_s``
+seconds) ends with::
 
-    every rank:  Δ_j = anchor_j − master_j  → shard j (DELTA: fp32, or block-quantized with error feedback)
-    one rank:    READY to shard 0 right after its DELTA (the shard reads them in order)
-    k ranks:     each waits for its shard's ACK, the ranks agree that every slice is held, rank 0 says READY
-    every rank:  PARAMS from shard j: θ_g slice of the merge that took this Δ, version v
+    every rank:  Δ = anchor − master, in the syncer's parts  → their shards (DELTA: fp32, or block-quantized with
+                 error feedback)
+    one shard:   READY to shard 0 right after the DELTA (the shard reads them in order)
+    else:        each link waits for its shard's ACK, the ranks agree that every slice is held, rank 0 says READY
+    every rank:  PARAMS from its shards: θ_g parts of the merge that took this Δ, version v
                  masters ← θ_g (adopt "overlap": θ_g + the progress made since the send); anchor ← θ_g;
                  bit16 weights ← their all-gather inside the replica
 
@@ -24,8 +28,6 @@ syncer takes this learner's weights as θ_g version 0) and takes the current θ_
 (``own_shards``) unless ``local_sgd.syncer.address`` names a syncer started with ``acco-ds syncer``.
 """
 
-import os
-import random
 import time
 from typing import List, Optional
 
@@ -35,21 +37,29 @@ import torch.distributed as tdist
 from ....config.decoupled import layout_name
 from ..base import LocalSGD
 from . import wire
+from .connect import Connect
 from .exchange import Exchange
-from .link import Heartbeat, Link, Uplink
+from .layout import Parts
+from .link import Heartbeat
 from .own_shards import shard_address
 
 
-class DecoupledLearner(Exchange, LocalSGD):
+def group_sizes(shards) -> List[int]:
+    """The elements of each parameter group (its flat buffer up to the end of its last parameter)."""
+    return [max((offset + p.numel() for p, offset in group), default=0) for group in shards.params]
+
+
+class DecoupledLearner(Connect, Exchange, LocalSGD):
     """The outer loop of mode ``decoupled`` (see the module docstring). Args: as ``LocalSGD``."""
 
     schedule_mode = "diloco"
 
     def __init__(self, acco, shards, groups):
         super().__init__(acco, shards, groups)
-        mp = 1 if groups.model_main is None else tdist.get_world_size(group=groups.model_main)
-        self.slots = groups.k * mp  # the ranks of this learner; ``slot``: this rank's, its syncer shard
-        self.slot = groups.shard + groups.k * (0 if mp == 1 else tdist.get_rank(group=groups.model_main))
+        mp = self.mp = 1 if groups.model_main is None else tdist.get_world_size(group=groups.model_main)
+        self.position = 0 if mp == 1 else tdist.get_rank(group=groups.model_main)
+        self.slots = groups.k * mp  # the ranks of this learner; ``slot``: this rank's place in it
+        self.slot = groups.shard + groups.k * self.position
         from ....algorithms.periods import PeriodSchedule
         ls = self.local
         self.timed = ls.sync_every_s is not None
@@ -59,10 +69,9 @@ class DecoupledLearner(Exchange, LocalSGD):
         self.schedule = PeriodSchedule("edit" if own else "diloco", None if own else ls.sync_every)
         self.syncer_config = ls.syncer
         self.timeout_s = ls.syncer.timeout_s if ls.syncer is not None else 120.0
-        max_bytes = int((ls.syncer.max_message_mb if ls.syncer is not None else 4096.0) * (1 << 20))
+        self.max_bytes = int((ls.syncer.max_message_mb if ls.syncer is not None else 4096.0) * (1 << 20))
         if acco.compression.apply_to is None:  # "auto" judges groups that span nodes; a syncer may be anywhere
             self.compression = None
-        self.uplink = Uplink(self.compression)
         self.learner = self._learner_id()
         self.incarnation = self._incarnation()
         self.version = 0
@@ -78,58 +87,36 @@ class DecoupledLearner(Exchange, LocalSGD):
         self.phase_s = {"send": 0.0, "wait": 0.0, "adopt": 0.0}  # where the exchange's time goes (wait: with resends)
         self.longest: dict = {}  # those phases within the longest pause
         self.numel = sum(m.numel() for m in shards.masters)
-        self.address = shard_address(self)
+        self.mine = Parts(tuple(group_sizes(shards)), tuple(m.numel() for m in shards.masters), groups.k)
+        self.where = shard_address(self)
+        self.address = self.where(0)
         self.tokens_per_step = ls.tokens_per_step or 1
-        self.link = Link(self.address, self.learner, self.incarnation, self.slot, self.timeout_s, max_bytes,
-                         self.keys, self.tokens_per_step, layout_name(groups, mp, shards, self.numel))
+        self.layout = layout_name(groups, mp, shards, self.mine.sizes)
+        self.links, self.uplinks, self.relayout, self.part, self.one_shard = [], [], None, self.numel, self.slots == 1
+        self.joined = False  # the links are open (``join``) and not closed yet
         self.heartbeat = None
-
-    # ------------------------------------------------------------------ layout
-    def _learner_id(self) -> int:
-        if self.syncer_config is not None and self.syncer_config.address:
-            for name in ("ACCO_LEARNER_ID", "REPLICA_GROUP_ID"):
-                if os.environ.get(name):
-                    return int(os.environ[name])
-        return self.groups.replica
-
-    def _incarnation(self) -> int:
-        """A random number per learner process, the same on every rank of the learner (rank 0 draws it)."""
-        value = random.SystemRandom().getrandbits(62)
-        if self.slots > 1:  # summed over the replica group, then over the model-parallel group
-            t = torch.tensor([value if self.slot == 0 else 0], dtype=torch.int64, device=self.shards.device)
-            for group in (self.groups.replica_main if self.groups.k > 1 else None, self.groups.model_main):
-                if group is not None:
-                    tdist.all_reduce(t, group=group)
-            value = int(t.item())
-        return value
-
-    # ------------------------------------------------------------------ helpers
-    def _flat(self, tensors) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
-
-    def _unflat_into(self, flat: torch.Tensor, targets) -> None:
-        offset = 0
-        for t in targets:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
-            offset += n
 
     # ------------------------------------------------------------------ join
     @torch.no_grad()
     def join(self) -> None:
-        """Connect to shard j; an empty syncer takes this learner's weights; take the current θ_g."""
+        """Connect to the shards; an empty syncer takes this learner's weights; take the current θ_g."""
         t0 = time.perf_counter()
-        if self.link.open(self.timeout_s) == wire.NO_VERSION:
-            self.link.send(self.link.mine("INIT", name="theta", tensor=self._flat(self.shards.masters)))
-        self.link.send(self.link.mine("GET"))
+        versions = self._connect()
+        slices = self.relayout.to_syncer(self._flat(self.shards.masters))
+        for link, version, piece in zip(self.links, versions, slices):
+            if version == wire.NO_VERSION:
+                link.send(link.mine("INIT", name="theta", tensor=piece))
+            link.send(link.mine("GET"))
+        self.joined = True
         if self.slot == 0 and self.heartbeat is None:
-            self.heartbeat = Heartbeat(self.link)
+            self.heartbeat = Heartbeat(self.links[0])
             self.heartbeat.start()
-        msg = self._get_agreed(self.link.recv("PARAMS", "theta", self.numel), time.monotonic() + self.timeout_s)
-        self._unflat_into(msg.tensor, self.shards.masters)
-        self._unflat_into(msg.tensor, self.anchor)
+        msgs = [link.recv("PARAMS", "theta", self.part) for link in self.links]
+        msgs, self.version = self._get_agreed(msgs, time.monotonic() + self.timeout_s)
+        theta = self._theta(msgs)
+        self._unflat_into(theta, self.shards.masters)
+        self._unflat_into(theta, self.anchor)
         self._install(self.shards.masters)
-        self.version = msg.version
         self.adopted_after = self.steps_since_send = 0
         self.period_start = time.monotonic()
         self.wire_s += time.perf_counter() - t0
@@ -145,9 +132,10 @@ class DecoupledLearner(Exchange, LocalSGD):
         return elapsed >= self.local.sync_every_s
 
     @torch.no_grad()
-    def _adopt(self, msg: wire.Message) -> None:
-        """θ_g of ``msg.version``: anchor ← θ_g; masters ← θ_g (overlap: θ_g + the progress since the send)."""
-        f, theta = self.inflight, msg.tensor
+    def _adopt(self, version: int, msgs) -> None:
+        """θ_g of ``version`` (``msgs``: its PARAMS, one per link): anchor ← θ_g; masters ← θ_g (overlap: θ_g +
+        the progress since the send)."""
+        f, theta = self.inflight, self._theta(msgs)
         keep = self.overlap and self.steps_since_send
         offset = 0
         for master, anchor in zip(self.shards.masters, self.anchor):  # in place, tensor by tensor
@@ -160,13 +148,14 @@ class DecoupledLearner(Exchange, LocalSGD):
                 master.copy_(piece)
             offset += n
         self._install(self.shards.masters)
-        self.staleness.append(max(0, msg.version - 1 - f["base"]))
-        self.version = msg.version
+        self.staleness.append(max(0, version - 1 - f["base"]))
+        self.version = version
         self.merges += 1
         self.adopted_after = self.steps_since_send
-        self.link.retained, self.link.adopted = f["msg"], msg.version  # a shard that lost this merge redoes it
+        for link, msg in zip(self.links, f["msgs"]):
+            link.retained, link.adopted = msg, version  # a shard that lost this merge redoes it
+            link.waiting_base = None
         self.inflight = None
-        self.link.waiting_base = None
 
     def _install(self, shards) -> None:
         """As ``LocalSGD``'s; a learner of one rank copies its masters into the bit16 flats without a
@@ -202,10 +191,13 @@ class DecoupledLearner(Exchange, LocalSGD):
         if self.inflight is not None:
             self._await()
         delta = torch.cat([(a - m).reshape(-1).float() for a, m in zip(self.anchor, self.shards.masters)])
+        tokens = sync.steps * self.tokens_per_step
         fields = dict(learner=self.learner, incarnation=self.incarnation, version=self.adopted_after,
-                      base=self.version, tokens=sync.steps * self.tokens_per_step, steps=sync.steps)
-        self.inflight = {"msg": self.uplink.message(delta, **fields), "base": self.version, "steps": sync.steps,
-                         "sent": self._flat(self.shards.masters) if self.overlap else None, "params": None}
+                      base=self.version, tokens=tokens, steps=sync.steps)
+        msgs = [up.message(s, **fields) for up, s in zip(self.uplinks, self.relayout.to_syncer(delta))]
+        self.inflight = {"msgs": msgs, "base": self.version, "steps": sync.steps, "tokens": tokens,
+                         "adopted": self.adopted_after, "params": [None] * len(self.links), "broken": {},
+                         "sent": self._flat(self.shards.masters) if self.overlap else None}
         self.steps_since_send = 0
         self.unsent_steps = 0
         self._post()
@@ -215,7 +207,7 @@ class DecoupledLearner(Exchange, LocalSGD):
 
     def settle(self) -> None:
         """Adopt the merge in flight (before a save, a load or a restart)."""
-        if self.inflight is not None and self.link.sock is not None:
+        if self.inflight is not None and self.joined:
             self._await()
 
     @property
@@ -225,7 +217,7 @@ class DecoupledLearner(Exchange, LocalSGD):
 
     def finalize(self) -> None:
         """Send the unfinished period (if any) and take its merge; the learner then stands on θ_g."""
-        if self.link.sock is None:
+        if not self.joined:
             return
         t0 = time.perf_counter()
         sync = self.schedule.final_sync()
@@ -245,10 +237,14 @@ class DecoupledLearner(Exchange, LocalSGD):
 
     def banner(self) -> str:
         ls = self.local
-        return (f"decoupled learner {self.learner} of {self.slots} rank(s), syncer shard "
+        return (f"decoupled learner {self.learner} of {self.slots} rank(s), syncer shard 0 at "
                 f"{self.address[0]}:{self.address[1]} {self.period_words()[0]} min_quorum={ls.min_quorum} "
                 f"grace_s={ls.grace_s} merge={ls.merge} staleness={ls.staleness} adopt={ls.adopt} "
-                f"up-link={self.uplink}")
+                f"up-link={self.uplink_words}")
+
+    @property
+    def uplink_words(self) -> str:
+        return "fp32" if self.compression is None else str(self.compression.codec)
 
     def stats(self) -> dict:
         s = super().stats()
@@ -257,9 +253,11 @@ class DecoupledLearner(Exchange, LocalSGD):
                   "merges": self.merges,
                   "staleness": list(self.staleness), "wire_s": self.wire_s, "max_wait_s": self.max_wait_s,
                   "phase_s": dict(self.phase_s), "longest_pause_phases_s": dict(self.longest),
-                  "reconnects": self.link.reconnects, "outer_bytes": self.link.bytes_sent,
-                  "delta_bytes": self.link.delta_bytes, "uplink": str(self.uplink), "adopt": self.local.adopt,
-                  "syncer": f"{self.address[0]}:{self.address[1]}"})
+                  "reconnects": sum(link.reconnects for link in self.links),
+                  "outer_bytes": sum(link.bytes_sent for link in self.links),
+                  "delta_bytes": sum(link.delta_bytes for link in self.links), "uplink": self.uplink_words,
+                  "adopt": self.local.adopt, "syncer": f"{self.address[0]}:{self.address[1]}",
+                  "syncer_shards": [link.shard for link in self.links]})
         return s
 
     def report(self):
@@ -282,8 +280,10 @@ class DecoupledLearner(Exchange, LocalSGD):
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
-        if self.link.sock is not None:
-            self.link.done()
+        for link in self.links:
+            if link.sock is not None:
+                link.done()
+        self.joined = False
         super().close()
 
 

@@ -32,10 +32,9 @@ from .identity import DATA, HEARTBEAT, HELD
 class Uplink:
     """How a rank's Δ slice travels: fp32 (``compression`` None) or block-quantized with error feedback."""
 
-    RESIDUAL = "uplink"  # the key of this rank's residual in ``compression.residuals`` (checkpointed there)
-
-    def __init__(self, compression: Optional[OuterCompression]):
+    def __init__(self, compression: Optional[OuterCompression], key: str = "uplink"):
         self.compression = compression
+        self.key = key  # of this slice's residual in ``compression.residuals`` (checkpointed there)
 
     def __str__(self) -> str:
         return "fp32" if self.compression is None else str(self.compression.codec)
@@ -49,9 +48,9 @@ class Uplink:
         codec, n = c.codec, delta.numel()
         residual = None
         if c.residual_dtype is not None:
-            residual = c.residuals.get(self.RESIDUAL)
+            residual = c.residuals.get(self.key)
             if residual is None:
-                residual = c.residuals[self.RESIDUAL] = torch.zeros(n, dtype=c.residual_dtype, device=delta.device)
+                residual = c.residuals[self.key] = torch.zeros(n, dtype=c.residual_dtype, device=delta.device)
         seg = torch.empty(4 * num_blocks(n, codec.block_size) + n, dtype=torch.uint8, device=delta.device)
         codec.pack(delta, residual, seg)  # scales, then values: the wire's block-quantized payload
         return wire.quantized("DELTA", seg.cpu(), codec.dtype, n, codec.block_size, name="delta", **fields)
@@ -71,7 +70,7 @@ def routing_id(tag: bytes, learner: int, incarnation: int, rank: int) -> bytes:
 
 
 class Link:
-    """The connection of learner ``learner`` (incarnation ``incarnation``), rank ``shard``, to its shard."""
+    """The connection of learner ``learner`` (incarnation ``incarnation``) to syncer shard ``shard``."""
 
     def __init__(self, address, learner: int, incarnation: int, shard: int, timeout_s: float, max_bytes: int,
                  keys: Optional[transport.Keys] = None, tokens_per_step: int = 1, layout: str = ""):
@@ -81,6 +80,7 @@ class Link:
         self.ctx = zmq.Context.instance()
         self.sock = None
         self.boot, self.liveness_s = None, None
+        self.syncer_shards = 0  # how many shards the syncer has, as STATE said (0: not said)
         self.waiting_base = None  # the base version of the Δ whose merge this rank waits for
         self.retained = None  # the DELTA of the last merge adopted: a shard that lost that merge asks for it
         self.adopted = None  # the version adopted with it: a θ_g of it or older, from a merge redone, is dropped
@@ -135,6 +135,7 @@ class Link:
             state = self._next("STATE")
         wire.expect(state, "STATE")
         self.boot, self.liveness_s, self.token = state.boot, state.tokens / 1000.0, state.incarnation
+        self.syncer_shards = state.steps
         if self.retained is not None and state.base == self.retained.base:  # a merge the shard must redo
             self.send(self.retained)
             self.recv("ACK")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -27,15 +27,15 @@ IDLE_EXIT_S = 10.0
 KEY = "acco.local_sgd.syncer.auth_file"
 
 
-def shard_address(loop) -> Tuple[str, int]:
-    """``(host, port)`` of this rank's shard j: ``syncer.address`` + j, or a shard of the launch's own."""
+def shard_address(loop) -> Callable[[int], Tuple[str, int]]:
+    """``where(j)``: ``(host, port)`` of syncer shard j: ``syncer.address`` + j, or a shard of the launch's own."""
     cfg, groups = loop.syncer_config, loop.groups
     j, slots = loop.slot, loop.slots  # this rank's place in its learner, over its replica and model-parallel groups
     auth_file = cfg.auth_file if cfg is not None else None
     if cfg is not None and cfg.address:
         host, port = wire.split_address(cfg.address)
         loop.keys = transport.load_keys(auth_file, KEY)
-        return (host, port + j)
+        return lambda shard: (host, port + shard)
     loop.secret = None if auth_file else launch_secret(loop)
     loop.keys = transport.load_keys(auth_file, KEY) if auth_file else transport.Keys(loop.secret)
     host = cfg.host if cfg is not None else "127.0.0.1"
@@ -52,7 +52,8 @@ def shard_address(loop) -> Tuple[str, int]:
         rest[0] = 0
         tdist.all_reduce(rest)
         ports[1:] = rest[1:]
-    return (host, int(ports[j]))
+    ports = [int(p) for p in ports.tolist()]
+    return lambda shard: (host, ports[shard])
 
 
 def launch_secret(loop) -> bytes:
@@ -87,7 +88,7 @@ def spawn(loop, j: int, host: str, leader: Optional[str], state_dir: str) -> int
     if os.path.exists(port_file):
         os.remove(port_file)
     cmd = [sys.executable, "-m", "acco_ds.runtime.outer.decoupled.syncer", "--index", str(j), "--host", host,
-           "--settings", json.dumps(settings), "--min-quorum", str(ls.min_quorum), "--grace-s", str(ls.grace_s),
+           "--shards", str(loop.slots),           "--settings", json.dumps(settings), "--min-quorum", str(ls.min_quorum), "--grace-s", str(ls.grace_s),
            "--learners", str(loop.groups.replicas), "--state-dir", state_dir, "--port-file", port_file,
            "--timeout-s", str(timeout_s), "--idle-exit-s", str(IDLE_EXIT_S)]
     if leader:

@@ -16,6 +16,7 @@ from . import transport, wire
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="one shard of the syncer of acco's decoupled mode")
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--shards", type=int, default=0, help="how many shards the syncer has (told to learners)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--leader", default=None, help="host:port of shard 0 (shards above 0)")
@@ -71,7 +72,7 @@ def main(Shard, argv=None) -> int:
                       grace_s=grace, learners=args.learners, state_dir=args.state_dir, leader=leader,
                       max_message_mb=args.max_message_mb, timeout_s=args.timeout_s, idle_exit_s=args.idle_exit_s,
                       liveness_s=args.liveness_s, keys=keys, max_learners=args.max_learners,
-                      max_connections=args.max_connections)
+                      max_connections=args.max_connections, shards=args.shards)
     except ValueError as err:
         raise SystemExit(str(err))
     if args.port_file:

@@ -44,6 +44,8 @@ class Shard(Handlers, Identity, MergeRule):
         min_quorum, grace_s: K and the grace window (seconds or "auto").
         learners: M: no merge before M learners have joined; exit once M said DONE (None: run until stopped).
         max_learners: refuse a learner beyond this many (None: no cap). max_connections: the connection cap.
+        shards: how many shards the syncer has (its learners cut their model into that many parts,
+            ``layout``; 0: unknown, a learner then takes one part per rank).
         liveness_s: a learner silent this long leaves the quorum. keys: ``transport.Keys`` (None: no secret).
         idle_exit_s: also exit once no learner has been heard from for this long, after one was (None: never).
         state_dir: checkpoint folder (None: none).
@@ -53,11 +55,11 @@ class Shard(Handlers, Identity, MergeRule):
                  learners: Optional[int] = None, state_dir: Optional[str] = None, leader=None,
                  max_message_mb: float = 4096.0, timeout_s: float = 120.0, idle_exit_s: Optional[float] = None,
                  liveness_s: float = DEFAULT_LIVENESS_S, keys: Optional[transport.Keys] = None,
-                 max_learners: Optional[int] = None, max_connections: int = 1024, say=None):
+                 max_learners: Optional[int] = None, max_connections: int = 1024, shards: int = 0, say=None):
         if keys is None and not transport.is_loopback(host):
             raise ValueError(f"acco decoupled: syncer shard {index} would listen on {host} without a secret: give "
                              f"it --auth-file (acco-ds syncer --make-secret PATH makes one), or bind 127.0.0.1")
-        self.index, self.leader_address, self.keys = index, leader, keys
+        self.index, self.leader_address, self.keys, self.shards = index, leader, keys, int(shards)
         self.K, self.grace = int(min_quorum), grace_s
         self.learners_expected, self.max_learners, self.state_dir = learners, max_learners, state_dir
         self.max_bytes = int(max_message_mb * (1 << 20))

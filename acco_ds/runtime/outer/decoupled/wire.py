@@ -39,7 +39,8 @@ KINDS = {
     1: "HELLO",  # learner -> shard: learner id, incarnation, tokens per inner step (``tokens``), the link's role
     #              (``steps``: 0 data, 1 heartbeat), the token its connection held before (``boot``); answered STATE
     2: "STATE",  # shard -> learner: version (NO_VERSION: no model yet), liveness_s in ms (``tokens``), the
-    #              connection's token (``incarnation``), which every later message of it carries in ``boot``
+    #              connection's token (``incarnation``), which every later message of it carries in ``boot``, the
+    #              syncer's number of shards (``steps``; 0: not said)
     3: "INIT",  # learner -> shard: "theta", the starting weights of an empty syncer
     4: "GET",  # learner -> shard: send the current θ_g
     5: "PARAMS",  # shard -> learner: "theta" of ``version``
