@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--data-rank-offset", type=int, default=0, help="a learner launched on its own: where its "
+                                                                    "ranks' data streams start")
     args = ap.parse_args()
     deepspeed.init_distributed()
     rank = deepspeed.comm.get_rank()
@@ -52,7 +54,7 @@ def main():
     model = GPT(args.n_layer, 4, args.n_embd, args.block)
     engine, _, _, _ = acco_ds.initialize(model=model, model_parameters=param_groups(model, 0.1), config=config)
     micro_bs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    train = Batches(data[:split], args.block, micro_bs, seed=1235 + rank)
+    train = Batches(data[:split], args.block, micro_bs, seed=1235 + rank + args.data_rank_offset)
     val = Batches(data[split:], args.block, micro_bs, seed=1234)
     tokens_per_inner_step = micro_bs * gas * args.block  # this rank's share of one inner step
     trace, micro, eval_time = [], 0, 0.0
