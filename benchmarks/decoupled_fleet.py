@@ -71,7 +71,9 @@ def finish(procs, timeout):
 
 
 def env_of(**extra):
-    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    # the venv's bin first: its ninja builds DeepSpeed's JIT ops, as make install did (another ninja rebuilds them)
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **extra)
 
 
 def syncer(name, cfg, port, learners, workdir):
