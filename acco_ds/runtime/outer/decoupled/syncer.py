@@ -176,6 +176,7 @@ class Shard(Handlers, Identity, MergeRule):
                         except zmq.Again:
                             break
                         self._receive(sock, frames)
+                        frames = None  # a refused message's frames go now, not when the next one is complete
                 if self.leader is not None and time.monotonic() >= next_ping:
                     self._to_leader(wire.Message("PING", learner=self.index, base=wire.NO_VERSION))
                     next_ping = time.monotonic() + 1.0
