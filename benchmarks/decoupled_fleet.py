@@ -103,7 +103,7 @@ def fleet(name, local, args, workdir, apart=False):
         slow["acco"]["local_sgd"]["syncer"] = fast["acco"]["local_sgd"]["syncer"]
     t0 = time.perf_counter()
     seconds = ["--seconds", str(args.seconds)]
-    procs = [start(f"{name}/learner0", fast, 2, seconds, workdir, env_of(ACCO_LEARNER_ID="0")),
+    procs = [start(f"{name}/learner0", fast, 2, seconds + ["--agree-eval"], workdir, env_of(ACCO_LEARNER_ID="0")),
              start(f"{name}/learner1", slow, 1, seconds + ["--data-rank-offset", "2"], workdir,
                    env_of(ACCO_LEARNER_ID="1"))]
     try:

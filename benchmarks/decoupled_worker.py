@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--data-rank-offset", type=int, default=0, help="a learner launched on its own: where its "
                                                                     "ranks' data streams start")
+    ap.add_argument("--agree-eval", action="store_true", help="a learner of several ranks: its ranks evaluate "
+                                                              "together (the committed view is gathered)")
     args = ap.parse_args()
     deepspeed.init_distributed()
     rank = deepspeed.comm.get_rank()
@@ -74,7 +76,21 @@ def main():
 
     evaluate()
 
+    def due(mine: bool) -> bool:
+        """Evaluate now? With ``--agree-eval`` the ranks go together once any rank's clock says so."""
+        if not args.agree_eval:
+            return mine
+        flag = torch.tensor([float(mine)])
+        deepspeed.comm.all_reduce(flag, op=deepspeed.comm.ReduceOp.MAX)
+        return bool(flag.item())
+
     def more():
+        if args.seconds and args.agree_eval:  # the ranks of a learner stop together, at a step's end
+            if micro % gas:
+                return True
+            flag = torch.tensor([float(elapsed() < args.seconds)])
+            deepspeed.comm.all_reduce(flag, op=deepspeed.comm.ReduceOp.MIN)
+            return bool(flag.item())
         if args.seconds:
             return elapsed() < args.seconds
         if args.syncs:
@@ -87,7 +103,7 @@ def main():
         engine.backward(engine(x.to(engine.device), y.to(engine.device)))
         engine.step()
         micro += 1
-        if engine.global_steps != before and elapsed() - last_eval >= args.eval_every_s:
+        if engine.global_steps != before and due(elapsed() - last_eval >= args.eval_every_s):
             evaluate()
     seconds = elapsed()
     if hasattr(engine, "acco_finalize"):
