@@ -56,15 +56,21 @@ def shard_process(tmp_path):
     proc.wait(10)
 
 
-@pytest.mark.timeout(120)
-def test_an_oversized_frame_is_dropped_before_it_is_allocated(shard_process):
-    proc, port, keys = shard_process
+def seeded(port, keys):
+    """A learner's link to the shard, which took 1024 random values from it as θ_g: ``(link, θ_g)``."""
     theta = torch.randn(1024)
     a = Link(("127.0.0.1", port), 0, 1, 0, 20, 1 << 30, keys)
     assert a.open(20) == wire.NO_VERSION
     a.send(a.mine("INIT", name="theta", tensor=theta))
     a.send(a.mine("GET"))
     assert torch.equal(a.recv("PARAMS", "theta", 1024).tensor, theta)
+    return a, theta
+
+
+@pytest.mark.timeout(120)
+def test_an_oversized_frame_is_dropped_before_it_is_allocated(shard_process):
+    proc, port, keys = shard_process
+    a, theta = seeded(port, keys)
     before = peak_rss(proc.pid)
 
     frame = 256 << 20  # one frame of 256 MiB from a peer that holds the secret, announced as a DELTA
@@ -111,12 +117,7 @@ def test_a_payload_of_the_wrong_size_is_refused_on_its_header(shard_process):
 @pytest.mark.timeout(120)
 def test_a_message_of_many_frames_is_held_whole_then_refused_on_its_frame_count(shard_process):
     proc, port, keys = shard_process
-    theta = torch.randn(1024)
-    a = Link(("127.0.0.1", port), 0, 1, 0, 20, 1 << 30, keys)
-    assert a.open(20) == wire.NO_VERSION
-    a.send(a.mine("INIT", name="theta", tensor=theta))
-    a.send(a.mine("GET"))
-    assert torch.equal(a.recv("PARAMS", "theta", 1024).tensor, theta)
+    a, theta = seeded(port, keys)
     before = peak_rss(proc.pid)
 
     # A peer that holds the secret sends messages of 64 frames of 1 MiB (each frame within ZMQ_MAXMSGSIZE), under
