@@ -74,7 +74,7 @@ class Connect:
                                  f"{count} (acco-ds syncer --shards {self.slots})")
             syncer = self.mine
         group = self.groups.replica_main if self.groups.k > 1 else None
-        self.relayout = Relayout(self.mine, syncer, self.groups.shard, group)
+        self.relayout = Relayout(self.mine, syncer, self.groups.shard, group, self.shards.device)
         self.part = syncer.numel
         self.one_shard = count == 1
         shards = [self.position * per + i for i in self.relayout.owned]
@@ -85,8 +85,7 @@ class Connect:
 
     def _theta(self, msgs) -> torch.Tensor:
         """θ_g in this rank's partition (a collective): from the PARAMS of its links."""
-        like = torch.empty(self.numel, dtype=torch.float32)
-        return self.relayout.from_syncer([m.tensor for m in msgs], like)
+        return self.relayout.from_syncer([m.tensor for m in msgs])
 
 
 __all__ = ["Connect"]

@@ -70,21 +70,22 @@ class Relayout:
     the syncer parts it holds (``owned``: those ``i`` with ``i mod k = rank``), and back. ``same``: the two layouts
     are one (each rank holds its own part): nothing moves."""
 
-    def __init__(self, mine: Parts, syncer: Parts, rank: int, group=None):
+    def __init__(self, mine: Parts, syncer: Parts, rank: int, group=None, device="cpu"):
         self.mine, self.syncer, self.rank, self.group = mine, syncer, rank, group
+        self.device = torch.device(device)  # the group's: what its all-to-all takes (a wire message is on the CPU)
         k = mine.count
         self.owned = [i for i in range(syncer.count) if i % k == rank]
         self.same = mine == syncer
         self.plan = [] if self.same else moves(mine, syncer)
 
-    def _exchange(self, pieces_out, pieces_in, numel_in: int, device) -> torch.Tensor:
+    def _exchange(self, pieces_out, pieces_in, numel_in: int) -> torch.Tensor:
         """Send ``pieces_out[d]`` (a list of tensors) to each rank ``d``; receive ``pieces_in[s]`` element counts
-        from each rank ``s``, end to end."""
-        k = self.mine.count
+        from each rank ``s``, end to end (on ``device``)."""
+        k, empty = self.mine.count, torch.empty(0, device=self.device)
         if k == 1:
-            return torch.cat(pieces_out[0]) if pieces_out[0] else torch.empty(0, device=device)
-        send = torch.cat([t for d in range(k) for t in pieces_out[d]] or [torch.empty(0, device=device)])
-        recv = torch.empty(numel_in, dtype=send.dtype, device=device)
+            return torch.cat(pieces_out[0]).to(self.device) if pieces_out[0] else empty
+        send = torch.cat([t.to(self.device) for d in range(k) for t in pieces_out[d]] or [empty])
+        recv = torch.empty(numel_in, dtype=send.dtype, device=self.device)
         tdist.all_to_all_single(recv, send, [sum(pieces_in[s]) for s in range(k)],
                                 [sum(t.numel() for t in pieces_out[d]) for d in range(k)], group=self.group)
         return recv
@@ -102,8 +103,8 @@ class Relayout:
                 out[i % k].append(flat[so:so + n])
             if i % k == r:
                 sizes[p].append(n)
-        recv = self._exchange(out, sizes, sum(map(sum, sizes)), flat.device)
-        slices = {i: flat.new_zeros(self.syncer.numel) for i in self.owned}
+        recv = self._exchange(out, sizes, sum(map(sum, sizes)))
+        slices = {i: recv.new_zeros(self.syncer.numel) for i in self.owned}
         at = {s: sum(sum(sizes[q]) for q in range(s)) for s in range(k)}
         for p, _, i, do, n in self.plan:
             if i % k == r:
@@ -111,9 +112,10 @@ class Relayout:
                 at[p] += n
         return [slices[i] for i in self.owned]
 
-    def from_syncer(self, slices: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """The syncer parts this rank holds (in ``owned`` order) → this rank's part, a new tensor like ``like``
-        (its padding zero). A collective: every rank of the learner calls it."""
+    def from_syncer(self, slices: List[torch.Tensor]) -> torch.Tensor:
+        """The syncer parts this rank holds (in ``owned`` order) → this rank's part (``mine.numel`` fp32 elements on
+        ``device``, its padding zero; the one part itself when the layouts are one). A collective: every rank of
+        the learner calls it."""
         if self.same:
             return slices[0]
         k, r = self.mine.count, self.rank
@@ -122,11 +124,11 @@ class Relayout:
         sizes = [[] for _ in range(k)]
         for p, _, i, do, n in self.plan:
             if i % k == r:
-                out[p].append(held[i][do:do + n].to(like.dtype))
+                out[p].append(held[i][do:do + n].float())
             if p == r:
                 sizes[i % k].append(n)
-        recv = self._exchange(out, sizes, sum(map(sum, sizes)), like.device)
-        flat = torch.zeros_like(like)
+        recv = self._exchange(out, sizes, sum(map(sum, sizes)))
+        flat = torch.zeros(self.mine.numel, dtype=torch.float32, device=self.device)
         at = {s: sum(sum(sizes[q]) for q in range(s)) for s in range(k)}
         for p, so, i, _, n in self.plan:
             if p == r:

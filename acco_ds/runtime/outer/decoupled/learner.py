@@ -102,7 +102,8 @@ class DecoupledLearner(Connect, Exchange, LocalSGD):
         """Connect to the shards; an empty syncer takes this learner's weights; take the current θ_g."""
         t0 = time.perf_counter()
         versions = self._connect()
-        slices = self.relayout.to_syncer(self._flat(self.shards.masters))
+        empty = self._learner_max(int(wire.NO_VERSION in versions))  # every rank moves its pieces, or none does
+        slices = self.relayout.to_syncer(self._flat(self.shards.masters)) if empty else [None] * len(self.links)
         for link, version, piece in zip(self.links, versions, slices):
             if version == wire.NO_VERSION:
                 link.send(link.mine("INIT", name="theta", tensor=piece))
