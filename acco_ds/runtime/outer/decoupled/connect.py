@@ -3,7 +3,9 @@ shard 0 how many shards the syncer has (its STATE), every rank of the learner le
 into the syncer's parts (``layout``: as many per model-parallel position as the syncer has shards over the
 tensor x pipeline size), and opens a link to each shard whose part it holds: shard ``m s + i`` (position ``m``,
 part ``i``) is held by the learner's data-parallel rank ``i mod k`` at position ``m``. A learner of the syncer's
-own size holds one link per rank, its partition as it is."""
+own size holds one link per rank, its partition as it is. A learner of tensor-parallel size > 1 whose parameters map
+onto the unsplit model (``canonical``) cuts that model into the syncer's parts instead, over its whole world: part
+``i`` is held by its rank of slot ``i mod (tp k)``."""
 
 import os
 import random
@@ -12,6 +14,9 @@ from typing import List
 import torch
 import torch.distributed as tdist
 
+from ....config.decoupled import layout_name
+from . import wire
+from .canonical import ATTRIBUTES, TPRelayout, canonical_model, canonical_name, learner_world, split_params
 from .layout import Parts, Relayout
 from .link import Link, Uplink
 
@@ -56,11 +61,47 @@ class Connect:
         return Link(self.where(j), self.learner, self.incarnation, j, self.timeout_s, self.max_bytes, self.keys,
                     self.tokens_per_step, self.layout)
 
+    def _name(self, groups, shards) -> None:
+        """This learner's name at HELLO (``layout``) and, when it maps onto the unsplit model, the specs of its
+        parameters (``canon``; else ``unmapped``: why not, for a tensor-parallel learner). Every rank of the launch
+        calls it (a tensor-parallel launch creates its learners' world groups)."""
+        tp = groups.tensor_parallel if self.mp > 1 else 1
+        self.canon, self.canon_sizes, self.unmapped, self.world = None, None, "", None
+        self.layout = layout_name(groups, self.mp, shards, self.mine.sizes)
+        if shards.has_experts or self.mp != tp:  # experts or pipeline stages: each position its own slice
+            return
+        specs, why = split_params(shards.params, tp)
+        if tp > 1:
+            self.world = learner_world(groups.replica, self.slot, self.timeout_s)
+            if self._learner_max(int(bool(why))):
+                self.unmapped = (f"its tensor-parallel slices cannot be mapped onto the unsplit model: "
+                                 f"{why or 'a parameter of another of its ranks'} (every split parameter needs "
+                                 f"{ATTRIBUTES})")
+                return
+        if not why:
+            self.canon = specs
+            self.canon_sizes, shapes = canonical_model(specs, tp)
+            self.layout = canonical_name(self.canon_sizes, shapes)
+
+    def _open(self, link: Link) -> int:
+        try:
+            return link.open(self.timeout_s)
+        except wire.Refused as err:
+            if self.unmapped and "layout" in str(err):
+                raise wire.Refused(f"{err}. Learner {self.learner}: {self.unmapped}") from err
+            raise
+
     def _connect(self) -> List[int]:
         """Open this rank's links (see the module docstring); returns the version each shard holds."""
         first = self._link(0) if self.slot == 0 else None
-        v0 = first.open(self.timeout_s) if first is not None else 0
+        v0 = self._open(first) if first is not None else 0
         count = self._learner_max((first.syncer_shards or self.slots) if first is not None else 0)
+        self.one_shard = count == 1
+        if self.canon is not None and self.mp > 1:  # the unsplit model's parts, over the learner's whole world
+            syncer = Parts.syncer(self.canon_sizes, count)
+            self.relayout = TPRelayout(self.canon, self.mp, self.groups.k, self.slot, self.mine, syncer,
+                                       *self.world, self.shards.device)
+            return self._open_links(first, v0, syncer, list(self.relayout.owned))
         if count % self.mp:
             raise ValueError(f"acco decoupled: the syncer has {count} shards and learner {self.learner} a tensor x "
                              f"pipeline parallel size of {self.mp}: each model-parallel position needs its own "
@@ -75,13 +116,15 @@ class Connect:
             syncer = self.mine
         group = self.groups.replica_main if self.groups.k > 1 else None
         self.relayout = Relayout(self.mine, syncer, self.groups.shard, group, self.shards.device)
+        return self._open_links(first, v0, syncer, [self.position * per + i for i in self.relayout.owned])
+
+    def _open_links(self, first, v0: int, syncer: Parts, shards: List[int]) -> List[int]:
+        """Open the links to ``shards`` (rank 0's to shard 0 is ``first``, open); their versions."""
         self.part = syncer.numel
-        self.one_shard = count == 1
-        shards = [self.position * per + i for i in self.relayout.owned]
         self.links = [first if j == 0 and first is not None else self._link(j) for j in shards]
         key = "uplink" if self.relayout.same else "uplink{}"
         self.uplinks = [Uplink(self.compression, key.format(i)) for i in self.relayout.owned]
-        return [v0 if link is first else link.open(self.timeout_s) for link in self.links]
+        return [v0 if link is first else self._open(link) for link in self.links]
 
     def _theta(self, msgs) -> torch.Tensor:
         """θ_g in this rank's partition (a collective): from the PARAMS of its links."""

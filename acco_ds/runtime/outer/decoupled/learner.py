@@ -3,8 +3,9 @@
 Every rank of a learner holds its ZeRO-1 partition of the model (the fp32 master shards of every parameter
 group, end to end, its own experts' among them). The syncer holds the global model cut into parts, one per shard
 (``layout``: the partitions of a learner of as many ranks as the syncer has shards per model-parallel position),
-so learners of any data-parallel size share it; the syncer refuses a learner of another model or tensor,
-pipeline or expert-parallel size (``layout_name``). Rank j of the learner's ``k`` data-parallel ranks at
+so learners of any data-parallel size share it, and learners of any tensor-parallel size that map onto the
+unsplit model (``canonical``: the syncer's parts then cut that model); the syncer refuses a learner of another model
+or pipeline or expert-parallel size, or of another tensor-parallel size that does not map (``layout_name``). Rank j of the learner's ``k`` data-parallel ranks at
 model-parallel position m (a tensor-parallel slice or a pipeline stage, ``groups.model_main``) holds the links
 to the shards of the parts ``i ≡ j (mod k)`` of position m (``connect``): a learner of the syncer's size, rank
 ``m k + j`` to shard ``m k + j``, its partition as it is; another moves its Δ into the syncer's parts, and θ_g
@@ -34,7 +35,6 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from ....config.decoupled import layout_name
 from ..base import LocalSGD
 from . import wire
 from .connect import Connect
@@ -91,7 +91,7 @@ class DecoupledLearner(Connect, Exchange, LocalSGD):
         self.where = shard_address(self)
         self.address = self.where(0)
         self.tokens_per_step = ls.tokens_per_step or 1
-        self.layout = layout_name(groups, mp, shards, self.mine.sizes)
+        self._name(groups, shards)  # ``layout``, said at HELLO; ``canon``: the unsplit model's specs, if it maps
         self.links, self.uplinks, self.relayout, self.part, self.one_shard = [], [], None, self.numel, self.slots == 1
         self.joined = False  # the links are open (``join``) and not closed yet
         self.heartbeat = None

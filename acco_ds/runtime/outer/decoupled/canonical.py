@@ -1,0 +1,196 @@
+"""The syncer's model for learners of different tensor-parallel sizes: the *canonical* (unsplit) model.
+
+A learner of tensor-parallel size ``tp`` (pipeline size 1, no experts) whose split parameters all carry Megatron's
+attributes (``tensor_model_parallel`` True, ``partition_dim`` set, ``partition_stride`` 1; a parameter without
+``tensor_model_parallel`` is replicated over the tensor-parallel group) maps onto the model of tensor-parallel size
+1: every parameter at its full shape, in the order and groups of its flat buffers, end to end. The syncer cuts that
+model into its ``S`` parts (``layout.Parts``), as it cuts a learner of tensor-parallel size 1, so learners of
+tensor-parallel sizes 1, 2, 4 ... of one model say the same name at HELLO (``canonical_name``: its elements and a
+checksum of its group sizes and shapes) and share a syncer.
+
+Tensor-parallel rank ``t`` holds, of a parameter split along dimension ``d``, one run of ``inner`` contiguous
+elements per index of the dimensions before ``d`` (``d`` = 0: one run; ``d`` = 1: one per row), at canonical offset
+``c + q * inner * tp + t * inner`` (``tp_runs``). Its data-parallel rank ``j`` holds the runs' pieces inside its
+ZeRO-1 partition, each cut where the syncer's parts are cut (``rank_runs``). The learner's whole world (``tp × dp``
+ranks, slot ``s = j + k t``) moves its Δ into the syncer's parts, and θ_g back, with one all-to-all over its world
+group (``TPRelayout``): syncer part ``i`` is sent and received by slot ``i mod (tp k)``. A replicated parameter's Δ
+leaves from tensor-parallel rank 0 only; its θ_g reaches every tensor-parallel rank. Each element crosses to the
+syncer once either way; no rank ever holds more of the model than its partition and the parts it sends.
+"""
+
+import math
+import zlib
+from datetime import timedelta
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from ...comm import lifetime
+from .layout import Parts
+
+ATTRIBUTES = "tensor_model_parallel True, partition_dim 0 or 1 and partition_stride 1, as Megatron's layers set them"
+
+
+def split_params(params, tp: int) -> Tuple[Optional[list], str]:
+    """Per parameter group, per parameter in flat-buffer order: ``(local offset, local shape, split dim or None)``.
+    ``params``: ``Shards.params``. Returns ``(specs, "")``, or ``(None, why)`` when a parameter cannot be mapped
+    onto the unsplit model."""
+    specs = []
+    for g, group in enumerate(params):
+        rows, end = [], 0
+        for p, offset in sorted(group, key=lambda po: po[1]):
+            where = f"parameter {len(rows)} of group {g} (shape {list(p.shape)})"
+            dim = None
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                dim = getattr(p, "partition_dim", None)
+                if dim not in (0, 1) or dim >= p.dim():
+                    return None, f"{where} is tensor_model_parallel with partition_dim {dim}, not 0 or 1"
+                if getattr(p, "partition_stride", 1) != 1:
+                    return None, f"{where} has partition_stride {p.partition_stride}, not 1"
+            if offset != end:
+                return None, f"{where} starts at {offset} of its flat buffer, not right after the one before ({end})"
+            rows.append((offset, tuple(p.shape), dim))
+            end = offset + p.numel()
+        specs.append(rows)
+    return specs, ""
+
+
+def full_shape(shape: Sequence[int], dim: Optional[int], tp: int) -> Tuple[int, ...]:
+    return tuple(n * tp if d == dim else n for d, n in enumerate(shape))
+
+
+def canonical_model(specs, tp: int) -> Tuple[List[int], List[List[Tuple[int, ...]]]]:
+    """The unsplit model's group sizes and parameter shapes."""
+    shapes = [[full_shape(shape, dim, tp) for _, shape, dim in rows] for rows in specs]
+    return [sum(math.prod(s) for s in group) for group in shapes], shapes
+
+
+def canonical_name(sizes, shapes) -> str:
+    """What a learner that maps onto the unsplit model says at HELLO (``config.decoupled.layout_name``'s form):
+    any data-parallel and any tensor-parallel size (``dp0.tp0``), pipeline 1, no experts, the unsplit model's
+    elements and a checksum of its group sizes and parameter shapes."""
+    text = ",".join(map(str, sizes)) + "|" + ";".join("x".join(map(str, s)) for group in shapes for s in group)
+    return f"dp0.tp0.pp1.ep1.n{sum(sizes)}.g{zlib.crc32(text.encode()):08x}"
+
+
+def tp_runs(rows, tp: int, t: int) -> List[Tuple[int, int, int, bool]]:
+    """Tensor-parallel rank ``t``'s runs of one group: ``(local offset, canonical offset, length, replicated)``, in
+    local order."""
+    out, c = [], 0
+    for offset, shape, dim in rows:
+        n = math.prod(shape)
+        if dim is None:
+            out.append((offset, c, n, True))
+        else:
+            outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
+            out.extend((offset + q * inner, c + (q * tp + t) * inner, inner, False) for q in range(outer))
+        c += n * (tp if dim is not None else 1)
+    return out
+
+
+def rank_runs(specs, tp: int, t: int, j: int, mine: Parts, syncer: Parts) -> List[Tuple[int, int, int, int, bool]]:
+    """The runs of the rank at tensor-parallel rank ``t`` and data-parallel rank ``j`` (``mine``: its learner's
+    partitions, ``syncer``: the syncer's parts of the unsplit model): ``(offset in its partition, syncer part,
+    offset in that part, length, replicated)``, sorted by syncer part and offset."""
+    out = []
+    for g, rows in enumerate(specs):
+        w, W = mine.widths[g], syncer.widths[g]
+        lo, hi = j * w, (j + 1) * w
+        for local, canon, n, rep in tp_runs(rows, tp, t):
+            a, b = max(local, lo), min(local + n, hi)
+            c = canon + a - local
+            while a < b:
+                i = c // W
+                m = min(b - a, (i + 1) * W - c)
+                out.append((mine.offset(g) + a - lo, i, syncer.offset(g) + c - i * W, m, rep))
+                a, c = a + m, c + m
+    out.sort(key=lambda r: (r[1], r[2]))
+    return out
+
+
+def learner_world(replica: int, slot: int, timeout_s: float) -> Tuple[object, List[int]]:
+    """A group of this learner's whole world (every rank of the launch calls it: it creates every learner's) and
+    each slot's rank in it."""
+    pairs: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(pairs, (replica, slot))
+    lists = [[r for r, (rep, _) in enumerate(pairs) if rep == learner] for learner in sorted({p[0] for p in pairs})]
+    group = lifetime.new_subgroups(lists, timedelta(seconds=timeout_s))
+    mine = next(ranks for ranks in lists if tdist.get_rank() in ranks)
+    rank_of = [0] * len(mine)
+    for r, g in enumerate(mine):
+        rank_of[pairs[g][1]] = r
+    return group, rank_of
+
+
+class TPRelayout:
+    """``layout.Relayout`` for a learner mapped onto the unsplit model (see the module docstring). ``specs``:
+    ``split_params``; ``tp``, ``k``: the learner's sizes; ``slot``: this rank's (``j + k t``); ``mine``: its
+    partitions; ``syncer``: the syncer's parts of the unsplit model; ``group``, ``rank_of``: ``learner_world``."""
+
+    def __init__(self, specs, tp: int, k: int, slot: int, mine: Parts, syncer: Parts, group, rank_of,
+                 device="cpu"):
+        self.mine, self.syncer, self.group, self.rank_of = mine, syncer, group, rank_of
+        self.device, self.same = torch.device(device), False
+        world = self.world = tp * k
+        self.owned = [i for i in range(syncer.count) if i % world == slot]
+        own = set(self.owned)
+        mine_runs = rank_runs(specs, tp, slot // k, slot % k, mine, syncer)
+        # Δ: what this rank sends to each slot, and what it takes from each (replicated: from tp rank 0 only)
+        self.send_delta = [[(so, i, po, n) for so, i, po, n, rep in mine_runs
+                            if i % world == s and not (rep and slot >= k)] for s in range(world)]
+        self.recv_delta, self.send_theta = [], []
+        for s in range(world):
+            runs = [(i, po, n, rep) for _, i, po, n, rep in rank_runs(specs, tp, s // k, s % k, mine, syncer)
+                    if i in own]
+            self.recv_delta.append([(i, po, n) for i, po, n, rep in runs if not (rep and s >= k)])
+            self.send_theta.append([(i, po, n) for i, po, n, _ in runs])
+        # θ_g: every run of this rank's partition, from the slot that holds its part
+        self.recv_theta = [[(so, n) for so, i, _, n, _ in mine_runs if i % world == s] for s in range(world)]
+
+    def _exchange(self, pieces: List[List[torch.Tensor]], counts: List[int], dtype) -> Tuple[torch.Tensor, list]:
+        """Send ``pieces[s]`` to slot ``s``; receive ``counts[s]`` elements from each slot. Returns the received
+        elements end to end and where each slot's start."""
+        order = sorted(range(self.world), key=lambda s: self.rank_of[s])  # slots in group-rank order
+        empty = torch.empty(0, dtype=dtype, device=self.device)
+        send = torch.cat([t.to(self.device, dtype) for s in order for t in pieces[s]] or [empty])
+        recv = torch.empty(sum(counts), dtype=dtype, device=self.device)
+        tdist.all_to_all_single(recv, send, [counts[s] for s in order],
+                                [sum(t.numel() for t in pieces[s]) for s in order], group=self.group)
+        start, at = [0] * self.world, 0
+        for s in order:
+            start[s], at = at, at + counts[s]
+        return recv, start
+
+    def to_syncer(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """This rank's partition (``mine.numel`` elements) → the syncer parts it holds (zero padding). A
+        collective over the learner's world."""
+        pieces = [[flat[so:so + n] for so, _, _, n in runs] for runs in self.send_delta]
+        counts = [sum(n for *_, n in runs) for runs in self.recv_delta]
+        recv, start = self._exchange(pieces, counts, flat.dtype)
+        slices = {i: recv.new_zeros(self.syncer.numel) for i in self.owned}
+        for s, runs in enumerate(self.recv_delta):
+            at = start[s]
+            for i, po, n in runs:
+                slices[i][po:po + n].copy_(recv[at:at + n])
+                at += n
+        return [slices[i] for i in self.owned]
+
+    def from_syncer(self, slices: List[torch.Tensor]) -> torch.Tensor:
+        """The syncer parts this rank holds (``owned`` order) → this rank's partition (``mine.numel`` fp32 elements
+        on ``device``, its padding zero). A collective over the learner's world."""
+        held = dict(zip(self.owned, slices))
+        pieces = [[held[i][po:po + n] for i, po, n in runs] for runs in self.send_theta]
+        counts = [sum(n for _, n in runs) for runs in self.recv_theta]
+        recv, start = self._exchange(pieces, counts, torch.float32)
+        flat = torch.zeros(self.mine.numel, dtype=torch.float32, device=self.device)
+        for s, runs in enumerate(self.recv_theta):
+            at = start[s]
+            for so, n in runs:
+                flat[so:so + n].copy_(recv[at:at + n])
+                at += n
+        return flat
+
+
+__all__ = ["ATTRIBUTES", "TPRelayout", "canonical_model", "canonical_name", "learner_world", "rank_runs",
+           "split_params", "tp_runs"]
