@@ -5,13 +5,17 @@ of size 1 (the same net unsplit, 1 rank) with K = 2 and ``grace_s`` 0 are DiLoCo
 simulator of two one-rank learners of the unsplit model gives θ_g after every merge. Learners whose unsplit models
 differ are refused in words that name both; so is a parameter that cannot be mapped."""
 
+import threading
+
 import pytest
 import torch
 
 import tp
 from acco_ds.config.decoupled import shape_refusal
 from acco_ds.runtime.outer.decoupled import wire
-from acco_ds.runtime.outer.decoupled.canonical import canonical_model, canonical_name, rank_runs, split_params
+from acco_ds.runtime.outer.decoupled import canonical
+from acco_ds.runtime.outer.decoupled.canonical import (TPRelayout, canonical_model, canonical_name, rank_runs,
+                                                       split_params)
 from acco_ds.runtime.outer.decoupled.connect import Connect
 from acco_ds.runtime.outer.decoupled.layout import Parts
 from acco_ds.runtime.outer.decoupled.link import Link
@@ -145,3 +149,60 @@ def test_a_learner_that_does_not_map_says_why_when_refused():
         learner._open(Refusing())
     assert str(err.value) == ("the peer refused: refused message: layout: learner 1 runs as .... Learner 1: its "
                               "tensor-parallel slices cannot be mapped onto the unsplit model: parameter 0 ...")
+
+
+def tp_slice(full, t, tp_size):
+    """Tensor-parallel rank ``t``'s flat parameters of ``tp.FullNet``'s flat ``full`` (w1 rows, b1, w2 columns,
+    b2 replicated): ``tp.assemble``'s inverse."""
+    h, n = tp.HIDDEN, tp.HIDDEN // tp_size
+    w1, b1, w2, b2 = torch.split(full, [h * 7, h, 3 * h, 3])
+    rows = slice(t * n, (t + 1) * n)
+    return torch.cat([w1.view(h, 7)[rows].reshape(-1), b1[rows], w2.view(3, h)[:, rows].reshape(-1), b2])
+
+
+def test_a_tp2_dp2_learner_moves_its_partitions_into_five_parts_of_the_unsplit_model_and_back(monkeypatch):
+    """Four ranks (threads over a stand-in all-to-all; slot j + 2t at group rank 2j + t, Megatron's order): Δ in
+    the syncer's 5 parts is the unsplit model end to end (slot 0 holds parts 0 and 4; the replicated bias from
+    tensor-parallel rank 0), θ_g comes back as each rank's partition, the bias on both, its padding zero."""
+    tp_size, k, world = 2, 2, 4
+    layers = [((8, 7), 0), ((8,), 0), ((3, 8), 1), ((3,), None)]
+    specs, _ = split_params(flat_params(layers), tp_size)
+    sizes, _ = canonical_model(specs, tp_size)
+    full = torch.randn(sizes[0])
+    local = 56 + 8 + 24 + 3
+    mine, syncer = Parts((local,), (-(-local // 4) * 2,), k), Parts.syncer(sizes, 5)
+    rank_of = [0, 2, 1, 3]
+    relayouts = [TPRelayout(specs, tp_size, k, s, mine, syncer, None, rank_of) for s in range(world)]
+    assert [r.owned for r in relayouts] == [[0, 4], [1], [2], [3]] and relayouts[0].world == world
+    w = mine.widths[0]
+    partitions, sent = [], []
+    for s in range(world):
+        flat = torch.zeros(k * w)
+        flat[:local] = tp_slice(full, s // k, tp_size)
+        partitions.append(flat[(s % k) * w:(s % k + 1) * w].clone())
+        flat[local - 3:local] = -1.0 if s >= k else flat[local - 3:local]  # b2 leaves from tp rank 0 only
+        sent.append(flat[(s % k) * w:(s % k + 1) * w].clone())
+    me, box, barrier = threading.local(), {}, threading.Barrier(world)
+
+    def all_to_all_single(recv, send, in_splits, out_splits, group=None):
+        box[me.rank] = torch.split(send, out_splits)
+        barrier.wait()
+        recv.copy_(torch.cat([box[r][me.rank] for r in range(world)]))
+        barrier.wait()
+
+    monkeypatch.setattr(canonical.tdist, "all_to_all_single", all_to_all_single)
+    out = {}
+
+    def rank(s):
+        me.rank = rank_of[s]
+        parts = relayouts[s].to_syncer(sent[s])
+        out[s] = (parts, relayouts[s].from_syncer(parts))
+    threads = [threading.Thread(target=rank, args=(s,)) for s in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    parts = {i: p for s in range(world) for i, p in zip(relayouts[s].owned, out[s][0])}
+    assert torch.equal(torch.cat([parts[i] for i in range(5)])[:full.numel()], full)
+    for s in range(world):
+        assert torch.equal(out[s][1], partitions[s]), s
