@@ -129,11 +129,12 @@ def test_learners_of_other_unsplit_models_are_refused_naming_both(tmp_path):
         thread.join(5)
     assert str(err.value).endswith(shape_refusal(1, at_tp2, at_tp1, 0))
     words = str(err.value)
-    assert ("learner 1 runs as any number of data-parallel ranks x any tensor-parallel size mapped onto the unsplit "
-            "model x pipeline 1, expert parallel 1 (201728 elements of the unsplit model") in words
-    assert "but learner 0 as any number of data-parallel ranks x any tensor-parallel size mapped onto the " \
-           "unsplit model x pipeline 1, expert parallel 1 (201216 elements of the unsplit model" in words
-    assert "a vocabulary padded per tensor-parallel size differs" in words and "pipeline stages are not mapped" in words
+    assert ("learner 1 runs as any number of data-parallel ranks x any tensor-parallel and pipeline size mapped onto "
+            "the unsplit model, expert parallel 1 (201728 elements of the unsplit model") in words
+    assert "but learner 0 as any number of data-parallel ranks x any tensor-parallel and pipeline size mapped onto " \
+           "the unsplit model, expert parallel 1 (201216 elements of the unsplit model" in words
+    assert "a vocabulary padded per tensor-parallel size differs" in words
+    assert "A weight tied across pipeline stages (tied embeddings) is on two stages and cannot be mapped" in words
 
 
 def test_a_learner_that_does_not_map_says_why_when_refused():

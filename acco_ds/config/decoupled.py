@@ -149,7 +149,8 @@ def layout_name(groups, mp: int, shards, sizes) -> str:
     experts, ``k``: their partitions are sent as they are), tensor-parallel and pipeline sizes, the largest
     expert-parallel size inside it, the elements of the model at this rank's model-parallel position and a
     checksum of its parameter groups' sizes. A learner that maps onto the unsplit model says
-    ``decoupled/canonical.canonical_name`` instead (``dp0.tp0.pp1.ep1``: any data- and tensor-parallel size). ``groups``: the host's ``ReplicaGroups``; ``mp``: its
+    ``decoupled/canonical.canonical_name`` instead (``dp0.tp0.pp0.ep1``: any data-, tensor-parallel and pipeline
+    size). ``groups``: the host's ``ReplicaGroups``; ``mp``: its
     model-parallel size; ``shards``: its ``Shards``; ``sizes``: the elements of each parameter group."""
     import zlib
 
@@ -166,8 +167,8 @@ def _shape_words(name: str) -> str:
     dp, tp, pp, ep, n, g = name.split(".")
     ranks = "any number of data-parallel ranks" if dp == "dp0" else f"{dp[2:]} data-parallel rank(s) (experts)"
     if tp == "tp0":  # decoupled/canonical.py: mapped onto the unsplit model
-        return (f"{ranks} x any tensor-parallel size mapped onto the unsplit model x pipeline {pp[2:]}, expert "
-                f"parallel {ep[2:]} ({n[1:]} elements of the unsplit model, parameter groups and shapes {g[1:]})")
+        return (f"{ranks} x any tensor-parallel and pipeline size mapped onto the unsplit model, expert parallel "
+                f"{ep[2:]} ({n[1:]} elements of the unsplit model, parameter groups and shapes {g[1:]})")
     return (f"{ranks} x tensor parallel {tp[2:]} x pipeline {pp[2:]}, expert parallel {ep[2:]} ({n[1:]} elements "
             f"at this model-parallel position, parameter groups {g[1:]})")
 
@@ -176,12 +177,15 @@ def shape_refusal(learner: int, name: str, first: str, first_learner: int) -> st
     """What a syncer shard answers a learner whose shape is not the first learner's (``layout_name``)."""
     return (f'acco.mode "decoupled": learner {learner} runs as {_shape_words(name)}, but learner {first_learner} '
             f"as {_shape_words(first)}. The syncer holds one model cut at fixed places: learners may differ in "
-            f"data-parallel size (without experts), and in tensor-parallel size when both map onto the unsplit "
-            f"model (pipeline size 1, no experts, every split parameter with Megatron's tensor_model_parallel, "
-            f"partition_dim 0 or 1 and partition_stride 1); not in their model (its unsplit shapes: a vocabulary "
-            f"padded per tensor-parallel size differs, so pad it to a multiple every size shares), its parameter "
-            f"groups, or their pipeline and expert-parallel sizes (pipeline stages are not mapped): launch this "
-            f"learner with the first one's model and sizes, or give it a syncer of its own")
+            f"data-parallel size (without experts), and in tensor-parallel and pipeline size when both map onto "
+            f"the unsplit model (no experts, every split parameter with Megatron's tensor_model_parallel, "
+            f"partition_dim 0 or 1 and partition_stride 1, every stage with the same parameter groups, whose "
+            f"concatenation in stage order is the one-stage model's); not in their model (its unsplit shapes: a "
+            f"vocabulary padded per tensor-parallel size differs, so pad it to a multiple every size shares), its "
+            f"parameter groups, or their expert-parallel sizes. A weight tied across pipeline stages (tied "
+            f"embeddings) is on two stages and cannot be mapped (such a learner shares a syncer only with learners "
+            f"of its own sizes): launch this learner with the first one's model and sizes, or give it a syncer of "
+            f"its own")
 
 
 def learner_launch_size(acco, world_size: int) -> Optional[int]:

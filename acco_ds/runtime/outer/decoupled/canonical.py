@@ -1,22 +1,29 @@
-"""The syncer's model for learners of different tensor-parallel sizes: the *canonical* (unsplit) model.
+"""The syncer's model for learners of different tensor-parallel and pipeline sizes: the *canonical* (unsplit) model.
 
-A learner of tensor-parallel size ``tp`` (pipeline size 1, no experts) whose split parameters all carry Megatron's
-attributes (``tensor_model_parallel`` True, ``partition_dim`` set, ``partition_stride`` 1; a parameter without
-``tensor_model_parallel`` is replicated over the tensor-parallel group) maps onto the model of tensor-parallel size
-1: every parameter at its full shape, in the order and groups of its flat buffers, end to end. The syncer cuts that
-model into its ``S`` parts (``layout.Parts``), as it cuts a learner of tensor-parallel size 1, so learners of
-tensor-parallel sizes 1, 2, 4 ... of one model say the same name at HELLO (``canonical_name``: its elements and a
-checksum of its group sizes and shapes) and share a syncer.
+A learner of tensor-parallel size ``tp`` and pipeline size ``pp`` (no experts) whose split parameters all carry
+Megatron's attributes (``tensor_model_parallel`` True, ``partition_dim`` set, ``partition_stride`` 1; a parameter
+without ``tensor_model_parallel`` is replicated over the tensor-parallel group) maps onto the model of both sizes 1:
+every parameter at its full shape, in the order and groups of its flat buffers, end to end; parameter group ``g`` of
+that model is every stage's (unsplit) group ``g`` one after the other, in stage order (what a one-stage
+``PipelineModule`` of the same layers with the same parameter groups holds). The syncer cuts that model into its
+``S`` parts (``layout.Parts``), as it cuts a learner of both sizes 1, so learners of tensor-parallel sizes 1, 2, 4 ...
+and of pipeline sizes 1, 2 ... of one model say the same name at HELLO (``canonical_name``: its elements and a
+checksum of its group sizes and shapes) and share a syncer. A weight tied across stages (DeepSpeed's
+``TiedLayerSpec``: ``ds_pipe_replicated`` on its later copies) is on two stages, and the unsplit model holds it
+once: such a learner does not map (nor one whose stages have different numbers of groups).
 
 Tensor-parallel rank ``t`` holds, of a parameter split along dimension ``d``, one run of ``inner`` contiguous
 elements per index of the dimensions before ``d`` (``d`` = 0: one run; ``d`` = 1: one per row), at canonical offset
-``c + q * inner * tp + t * inner`` (``tp_runs``). Its data-parallel rank ``j`` holds the runs' pieces inside its
-ZeRO-1 partition, each cut where the syncer's parts are cut (``rank_runs``). The learner's whole world (``tp × dp``
-ranks, slot ``s = j + k t``) moves its Δ into the syncer's parts, and θ_g back, with one all-to-all over its world
-group (``TPRelayout``): syncer part ``i`` is sent and received by slot ``i mod (tp k)``. A replicated parameter's Δ
-leaves from tensor-parallel rank 0 only; its θ_g reaches every tensor-parallel rank. Each element crosses to the
-syncer once either way; no rank ever holds more of the model than its partition and the parts it sends.
+``c + q * inner * tp + t * inner`` (``tp_runs``), shifted by the stages before its own (``stage_shifts``). Its
+data-parallel rank ``j`` holds the runs' pieces inside its ZeRO-1 partition, each cut where the syncer's parts are
+cut (``rank_runs``). The learner's whole world (``tp × pp × dp`` ranks; model-parallel position ``m = stage tp + t``,
+DeepSpeed's order; slot ``s = j + k m``) moves its Δ into the syncer's parts, and θ_g back, with one all-to-all over
+its world group (``TPRelayout``): syncer part ``i`` is sent and received by slot ``i mod (tp pp k)``. A replicated
+parameter's Δ leaves from tensor-parallel rank 0 only; its θ_g reaches every tensor-parallel rank. Each element
+crosses to the syncer once either way; no rank ever holds more of the model than its partition and the parts it
+sends.
 """
+
 
 import math
 import zlib
@@ -42,6 +49,9 @@ def split_params(params, tp: int) -> Tuple[Optional[list], str]:
         for p, offset in sorted(group, key=lambda po: po[1]):
             where = f"parameter {len(rows)} of group {g} (shape {list(p.shape)})"
             dim = None
+            if getattr(p, "ds_pipe_replicated", False):
+                return None, (f"{where} is a copy of a weight tied across pipeline stages (DeepSpeed's TiedLayerSpec): "
+                              f"the stages hold it twice, the unsplit model once")
             if tp > 1 and getattr(p, "tensor_model_parallel", False):
                 dim = getattr(p, "partition_dim", None)
                 if dim not in (0, 1) or dim >= p.dim():
@@ -66,18 +76,34 @@ def canonical_model(specs, tp: int) -> Tuple[List[int], List[List[Tuple[int, ...
     return [sum(math.prod(s) for s in group) for group in shapes], shapes
 
 
+def stage_model(stages, tp: int):
+    """The unsplit model of a learner whose pipeline stages have ``stages`` (``split_params`` of each stage's
+    tensor-parallel rank 0, in stage order): ``(sizes, shapes, shifts, "")``, ``shifts[stage][g]`` the elements of
+    group ``g`` in the stages before; or ``(None, None, None, why)`` when the stages cannot be concatenated."""
+    models = [canonical_model(specs, tp) for specs in stages]
+    counts = [len(sizes) for sizes, _ in models]
+    if len(set(counts)) > 1:
+        return None, None, None, (f"its pipeline stages have {counts} parameter groups: group g of the unsplit model "
+                                  f"is every stage's group g, so every stage needs the same groups")
+    groups = range(counts[0] if counts else 0)
+    sizes = [sum(m[0][g] for m in models) for g in groups]
+    shapes = [[shape for m in models for shape in m[1][g]] for g in groups]
+    shifts = [[sum(m[0][g] for m in models[:st]) for g in groups] for st in range(len(models))]
+    return sizes, shapes, shifts, ""
+
+
 def canonical_name(sizes, shapes) -> str:
     """What a learner that maps onto the unsplit model says at HELLO (``config.decoupled.layout_name``'s form):
-    any data-parallel and any tensor-parallel size (``dp0.tp0``), pipeline 1, no experts, the unsplit model's
+    any data-parallel, tensor-parallel and pipeline size (``dp0.tp0.pp0``), no experts, the unsplit model's
     elements and a checksum of its group sizes and parameter shapes."""
     text = ",".join(map(str, sizes)) + "|" + ";".join("x".join(map(str, s)) for group in shapes for s in group)
-    return f"dp0.tp0.pp1.ep1.n{sum(sizes)}.g{zlib.crc32(text.encode()):08x}"
+    return f"dp0.tp0.pp0.ep1.n{sum(sizes)}.g{zlib.crc32(text.encode()):08x}"
 
 
-def tp_runs(rows, tp: int, t: int) -> List[Tuple[int, int, int, bool]]:
+def tp_runs(rows, tp: int, t: int, shift: int = 0) -> List[Tuple[int, int, int, bool]]:
     """Tensor-parallel rank ``t``'s runs of one group: ``(local offset, canonical offset, length, replicated)``, in
-    local order."""
-    out, c = [], 0
+    local order (``shift``: the group's elements in the stages before this one)."""
+    out, c = [], shift
     for offset, shape, dim in rows:
         n = math.prod(shape)
         if dim is None:
@@ -89,15 +115,17 @@ def tp_runs(rows, tp: int, t: int) -> List[Tuple[int, int, int, bool]]:
     return out
 
 
-def rank_runs(specs, tp: int, t: int, j: int, mine: Parts, syncer: Parts) -> List[Tuple[int, int, int, int, bool]]:
-    """The runs of the rank at tensor-parallel rank ``t`` and data-parallel rank ``j`` (``mine``: its learner's
-    partitions, ``syncer``: the syncer's parts of the unsplit model): ``(offset in its partition, syncer part,
-    offset in that part, length, replicated)``, sorted by syncer part and offset."""
+def rank_runs(specs, tp: int, t: int, j: int, mine: Parts, syncer: Parts,
+              shift: Optional[Sequence[int]] = None) -> List[Tuple[int, int, int, int, bool]]:
+    """The runs of the rank at tensor-parallel rank ``t`` and data-parallel rank ``j`` (``mine``: its stage's
+    partitions, ``syncer``: the syncer's parts of the unsplit model, ``shift``: ``stage_model``'s of its stage):
+    ``(offset in its partition, syncer part, offset in that part, length, replicated)``, sorted by syncer part and
+    offset."""
     out = []
     for g, rows in enumerate(specs):
         w, W = mine.widths[g], syncer.widths[g]
         lo, hi = j * w, (j + 1) * w
-        for local, canon, n, rep in tp_runs(rows, tp, t):
+        for local, canon, n, rep in tp_runs(rows, tp, t, shift[g] if shift else 0):
             a, b = max(local, lo), min(local + n, hi)
             c = canon + a - local
             while a < b:
@@ -109,41 +137,50 @@ def rank_runs(specs, tp: int, t: int, j: int, mine: Parts, syncer: Parts) -> Lis
     return out
 
 
-def learner_world(replica: int, slot: int, timeout_s: float) -> Tuple[object, List[int]]:
-    """A group of this learner's whole world (every rank of the launch calls it: it creates every learner's) and
-    each slot's rank in it."""
+def learner_world(replica: int, slot: int, timeout_s: float, info=None) -> Tuple[object, List[int], list]:
+    """A group of this learner's whole world (every rank of the launch calls it: it creates every learner's), each
+    slot's rank in it and each slot's ``info`` (gathered once, over the launch)."""
     pairs: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(pairs, (replica, slot))
-    lists = [[r for r, (rep, _) in enumerate(pairs) if rep == learner] for learner in sorted({p[0] for p in pairs})]
+    tdist.all_gather_object(pairs, (replica, slot, info))
+    lists = [[r for r, p in enumerate(pairs) if p[0] == learner] for learner in sorted({p[0] for p in pairs})]
     group = lifetime.new_subgroups(lists, timedelta(seconds=timeout_s))
     mine = next(ranks for ranks in lists if tdist.get_rank() in ranks)
-    rank_of = [0] * len(mine)
+    rank_of, infos = [0] * len(mine), [None] * len(mine)
     for r, g in enumerate(mine):
-        rank_of[pairs[g][1]] = r
-    return group, rank_of
+        rank_of[pairs[g][1]], infos[pairs[g][1]] = r, pairs[g][2]
+    return group, rank_of, infos
 
 
 class TPRelayout:
     """``layout.Relayout`` for a learner mapped onto the unsplit model (see the module docstring). ``specs``:
-    ``split_params``; ``tp``, ``k``: the learner's sizes; ``slot``: this rank's (``j + k t``); ``mine``: its
-    partitions; ``syncer``: the syncer's parts of the unsplit model; ``group``, ``rank_of``: ``learner_world``."""
+    ``split_params``; ``tp``, ``k``: the learner's sizes; ``slot``: this rank's (``j + k m``); ``mine``: its
+    partitions; ``syncer``: the syncer's parts of the unsplit model; ``group``, ``rank_of``: ``learner_world``;
+    ``layouts``: per model-parallel position ``m``, its ``(specs, mine, shift)`` (``stage_model``'s shift of its
+    stage); left out, ``tp`` positions of one stage that all hold ``specs`` and ``mine``."""
 
     def __init__(self, specs, tp: int, k: int, slot: int, mine: Parts, syncer: Parts, group, rank_of,
-                 device="cpu"):
+                 device="cpu", layouts=None):
         self.mine, self.syncer, self.group, self.rank_of = mine, syncer, group, rank_of
         self.device, self.same = torch.device(device), False
-        world = self.world = tp * k
+        layouts = layouts or [(specs, mine, None)] * tp
+        world = self.world = len(layouts) * k
         self.owned = [i for i in range(syncer.count) if i % world == slot]
         own = set(self.owned)
-        mine_runs = rank_runs(specs, tp, slot // k, slot % k, mine, syncer)
-        # Δ: what this rank sends to each slot, and what it takes from each (replicated: from tp rank 0 only)
+
+        def runs_of(s):  # slot s: data-parallel rank s mod k at position m = s div k, tensor-parallel rank m mod tp
+            specs_m, mine_m, shift = layouts[s // k]
+            return rank_runs(specs_m, tp, s // k % tp, s % k, mine_m, syncer, shift)
+
+        def tp_copy(s):  # a replicated parameter's Δ leaves from tensor-parallel rank 0 only
+            return s // k % tp != 0
+        mine_runs = runs_of(slot)
+        # Δ: what this rank sends to each slot, and what it takes from each
         self.send_delta = [[(so, i, po, n) for so, i, po, n, rep in mine_runs
-                            if i % world == s and not (rep and slot >= k)] for s in range(world)]
+                            if i % world == s and not (rep and tp_copy(slot))] for s in range(world)]
         self.recv_delta, self.send_theta = [], []
         for s in range(world):
-            runs = [(i, po, n, rep) for _, i, po, n, rep in rank_runs(specs, tp, s // k, s % k, mine, syncer)
-                    if i in own]
-            self.recv_delta.append([(i, po, n) for i, po, n, rep in runs if not (rep and s >= k)])
+            runs = [(i, po, n, rep) for _, i, po, n, rep in runs_of(s) if i in own]
+            self.recv_delta.append([(i, po, n) for i, po, n, rep in runs if not (rep and tp_copy(s))])
             self.send_theta.append([(i, po, n) for i, po, n, _ in runs])
         # θ_g: every run of this rank's partition, from the slot that holds its part
         self.recv_theta = [[(so, n) for so, i, _, n, _ in mine_runs if i % world == s] for s in range(world)]
@@ -193,4 +230,4 @@ class TPRelayout:
 
 
 __all__ = ["ATTRIBUTES", "TPRelayout", "canonical_model", "canonical_name", "learner_world", "rank_runs",
-           "split_params", "tp_runs"]
+           "split_params", "stage_model", "tp_runs"]

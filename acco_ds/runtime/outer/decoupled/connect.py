@@ -3,9 +3,9 @@ shard 0 how many shards the syncer has (its STATE), every rank of the learner le
 into the syncer's parts (``layout``: as many per model-parallel position as the syncer has shards over the
 tensor x pipeline size), and opens a link to each shard whose part it holds: shard ``m s + i`` (position ``m``,
 part ``i``) is held by the learner's data-parallel rank ``i mod k`` at position ``m``. A learner of the syncer's
-own size holds one link per rank, its partition as it is. A learner of tensor-parallel size > 1 whose parameters map
-onto the unsplit model (``canonical``) cuts that model into the syncer's parts instead, over its whole world: part
-``i`` is held by its rank of slot ``i mod (tp k)``."""
+own size holds one link per rank, its partition as it is. A learner of tensor-parallel or pipeline size > 1 whose
+parameters map onto the unsplit model (``canonical``) cuts that model into the syncer's parts instead, over its whole
+world: part ``i`` is held by its rank of slot ``i mod (tp pp k)``."""
 
 import os
 import random
@@ -16,7 +16,8 @@ import torch.distributed as tdist
 
 from ....config.decoupled import layout_name
 from . import wire
-from .canonical import ATTRIBUTES, TPRelayout, canonical_model, canonical_name, learner_world, split_params
+from .canonical import (ATTRIBUTES, TPRelayout, canonical_model, canonical_name, learner_world, split_params,
+                        stage_model)
 from .layout import Parts, Relayout
 from .link import Link, Uplink
 
@@ -63,25 +64,35 @@ class Connect:
 
     def _name(self, groups, shards) -> None:
         """This learner's name at HELLO (``layout``) and, when it maps onto the unsplit model, the specs of its
-        parameters (``canon``; else ``unmapped``: why not, for a tensor-parallel learner). Every rank of the launch
-        calls it (a tensor-parallel launch creates its learners' world groups)."""
-        tp = groups.tensor_parallel if self.mp > 1 else 1
-        self.canon, self.canon_sizes, self.unmapped, self.world = None, None, "", None
+        parameters (``canon``; ``layouts``: every model-parallel position's; else ``unmapped``: why not, for a
+        tensor-parallel or pipeline learner). Every rank of the launch calls it (a model-parallel launch creates
+        its learners' world groups)."""
+        tp = self.tp = groups.tensor_parallel if self.mp > 1 else 1
+        self.canon, self.canon_sizes, self.unmapped, self.world, self.layouts = None, None, "", None, None
         self.layout = layout_name(groups, self.mp, shards, self.mine.sizes)
-        if shards.has_experts or self.mp != tp:  # experts or pipeline stages: each position its own slice
+        if shards.has_experts:  # experts: each position its own slice
             return
         specs, why = split_params(shards.params, tp)
-        if tp > 1:
-            self.world = learner_world(groups.replica, self.slot, self.timeout_s)
-            if self._learner_max(int(bool(why))):
-                self.unmapped = (f"its tensor-parallel slices cannot be mapped onto the unsplit model: "
-                                 f"{why or 'a parameter of another of its ranks'} (every split parameter needs "
-                                 f"{ATTRIBUTES})")
-                return
+        if self.mp == 1:
+            if not why:
+                self.canon = specs
+                self.canon_sizes, shapes = canonical_model(specs, 1)
+                self.layout = canonical_name(self.canon_sizes, shapes)
+            return
+        group, rank_of, infos = learner_world(groups.replica, self.slot, self.timeout_s, (specs, why, self.mine))
+        self.world = (group, rank_of)
+        why = next((w for _, w, _ in infos if w), "")
+        positions = [infos[groups.k * m] for m in range(self.mp)]  # each position's data-parallel rank 0
         if not why:
-            self.canon = specs
-            self.canon_sizes, shapes = canonical_model(specs, tp)
-            self.layout = canonical_name(self.canon_sizes, shapes)
+            sizes, shapes, shifts, why = stage_model([p[0] for p in positions[::tp]], tp)
+        if why:
+            self.unmapped = (f"its tensor-parallel slices and pipeline stages cannot be mapped onto the unsplit "
+                             f"model: {why} (every split parameter needs {ATTRIBUTES}; a weight tied across "
+                             f"pipeline stages cannot be mapped)")
+            return
+        self.layouts = [(specs_m, mine_m, shifts[m // tp]) for m, (specs_m, _, mine_m) in enumerate(positions)]
+        self.canon, self.canon_sizes = specs, sizes
+        self.layout = canonical_name(sizes, shapes)
 
     def _open(self, link: Link) -> int:
         try:
@@ -99,8 +110,8 @@ class Connect:
         self.one_shard = count == 1
         if self.canon is not None and self.mp > 1:  # the unsplit model's parts, over the learner's whole world
             syncer = Parts.syncer(self.canon_sizes, count)
-            self.relayout = TPRelayout(self.canon, self.mp, self.groups.k, self.slot, self.mine, syncer,
-                                       *self.world, self.shards.device)
+            self.relayout = TPRelayout(self.canon, self.tp, self.groups.k, self.slot, self.mine, syncer,
+                                       *self.world, self.shards.device, layouts=self.layouts)
             return self._open_links(first, v0, syncer, list(self.relayout.owned))
         if count % self.mp:
             raise ValueError(f"acco decoupled: the syncer has {count} shards and learner {self.learner} a tensor x "
