@@ -74,11 +74,11 @@ def test_pipeline_stages_map_onto_the_unsplit_model_once_each():
         for j in range(k):
             runs = rank_runs(specs, 2, m % 2, j, mine, syncer, shift)
             assert len(runs) < 12
-            for _, i, po, n, rep in runs:
+            for _, i, po, n, c, st, rep in runs:  # c rows of n elements, st apart in the part
                 at = i * syncer.widths[0] + po
-                theta[at:at + n] += 1
+                theta.as_strided((c, n), (st, 1), at).add_(1)
                 if not (rep and m % 2):
-                    delta[at:at + n] += 1
+                    delta.as_strided((c, n), (st, 1), at).add_(1)
     assert torch.equal(delta, torch.ones_like(delta))
     assert torch.equal(theta, torch.cat([torch.ones(sizes[0] - 3, dtype=torch.int64), torch.full((3,), 2)]))
 

@@ -17,7 +17,7 @@ from acco_ds.runtime.outer.decoupled import canonical
 from acco_ds.runtime.outer.decoupled.canonical import (TPRelayout, canonical_model, canonical_name, rank_runs,
                                                        split_params)
 from acco_ds.runtime.outer.decoupled.connect import Connect
-from acco_ds.runtime.outer.decoupled.layout import Parts
+from acco_ds.runtime.outer.decoupled.layout import Parts, part_width
 from acco_ds.runtime.outer.decoupled.link import Link
 from acco_ds.runtime.outer.decoupled.syncer import Shard
 from test_decoupled_sizes import H, STEPS, assert_syncer_holds, reference, run_fleet
@@ -84,11 +84,11 @@ def test_tensor_parallel_slices_map_onto_the_unsplit_model_once_each():
     delta, theta = torch.zeros(sizes[0], dtype=torch.int64), torch.zeros(sizes[0], dtype=torch.int64)
     for t in range(2):
         runs = [run for j in range(k) for run in rank_runs(specs, 2, t, j, mine, syncer)]
-        for _, i, po, n, rep in runs:
+        for _, i, po, n, c, st, rep in runs:  # c rows of n elements, st apart in the part
             at = i * syncer.widths[0] + po
-            theta[at:at + n] += 1
+            theta.as_strided((c, n), (st, 1), at).add_(1)
             if not (rep and t):
-                delta[at:at + n] += 1
+                delta.as_strided((c, n), (st, 1), at).add_(1)
         assert len(rank_runs(specs, 2, t, 0, mine, syncer)) < 12  # runs, not elements
     assert torch.equal(delta, torch.ones_like(delta))
     assert torch.equal(theta, torch.cat([torch.ones(sizes[0] - 3, dtype=torch.int64), torch.full((3,), 2)]))
@@ -207,3 +207,22 @@ def test_a_tp2_dp2_learner_moves_its_partitions_into_five_parts_of_the_unsplit_m
     assert torch.equal(torch.cat([parts[i] for i in range(5)])[:full.numel()], full)
     for s in range(world):
         assert torch.equal(out[s][1], partitions[s]), s
+
+
+@pytest.mark.parametrize("j", [0, 1, 2])
+def test_rows_split_along_dimension_one_travel_as_blocks_cut_only_at_the_edges(j):
+    """A (64, 12) weight split along dimension 1 over 4 tensor-parallel ranks (local (64, 3): a run per row) seen by
+    rank t = 1 at data-parallel rank j of 3 (partitions of 64 elements: edges inside rows) and 5 syncer parts of
+    154 elements (the edge at 616 cuts a row of t's): every element of its partition lands where the unsplit model
+    has it, in a handful of blocks."""
+    tp_size, t, k = 4, 1, 3
+    specs, _ = split_params(flat_params([((64, 3), 1)]), tp_size)
+    mine, syncer = Parts((192,), (part_width(192, k),), k), Parts.syncer([768], 5)
+    runs = rank_runs(specs, tp_size, t, j, mine, syncer)
+    lo, hi = j * mine.widths[0], min((j + 1) * mine.widths[0], 192)
+    got = {}
+    for so, i, po, n, c, st, rep in runs:
+        canon = i * syncer.widths[0] + po + (torch.arange(c)[:, None] * st + torch.arange(n)).reshape(-1)
+        got.update(zip(range(lo + so, lo + so + n * c), canon.tolist()))
+    assert got == {e: (e // 3) * 12 + t * 3 + e % 3 for e in range(lo, hi)}
+    assert len(runs) <= 7, runs

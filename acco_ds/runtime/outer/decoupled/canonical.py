@@ -14,9 +14,11 @@ once: such a learner does not map (nor one whose stages have different numbers o
 
 Tensor-parallel rank ``t`` holds, of a parameter split along dimension ``d``, one run of ``inner`` contiguous
 elements per index of the dimensions before ``d`` (``d`` = 0: one run; ``d`` = 1: one per row), at canonical offset
-``c + q * inner * tp + t * inner`` (``tp_runs``), shifted by the stages before its own (``stage_shifts``). Its
-data-parallel rank ``j`` holds the runs' pieces inside its ZeRO-1 partition, each cut where the syncer's parts are
-cut (``rank_runs``). The learner's whole world (``tp × pp × dp`` ranks; model-parallel position ``m = stage tp + t``,
+``c + q * inner * tp + t * inner``, shifted by the stages before its own (``stage_model``): rows end to end in its
+partition, ``tp * inner`` apart in the unsplit model (``tp_runs``: one strided block per parameter). Its
+data-parallel rank ``j`` holds the block's rows inside its ZeRO-1 partition, cut where the syncer's parts are cut
+(``clip``, ``rank_runs``): whole rows stay one block, copied at once through a strided view; only a row cut by a
+partition or part edge becomes pieces of its own. The learner's whole world (``tp × pp × dp`` ranks; model-parallel position ``m = stage tp + t``,
 DeepSpeed's order; slot ``s = j + k m``) moves its Δ into the syncer's parts, and θ_g back, with one all-to-all over
 its world group (``TPRelayout``): syncer part ``i`` is sent and received by slot ``i mod (tp pp k)``. A replicated
 parameter's Δ leaves from tensor-parallel rank 0 only; its θ_g reaches every tensor-parallel rank. Each element
@@ -100,39 +102,63 @@ def canonical_name(sizes, shapes) -> str:
     return f"dp0.tp0.pp0.ep1.n{sum(sizes)}.g{zlib.crc32(text.encode()):08x}"
 
 
-def tp_runs(rows, tp: int, t: int, shift: int = 0) -> List[Tuple[int, int, int, bool]]:
-    """Tensor-parallel rank ``t``'s runs of one group: ``(local offset, canonical offset, length, replicated)``, in
-    local order (``shift``: the group's elements in the stages before this one)."""
+def tp_runs(rows, tp: int, t: int, shift: int = 0) -> List[Tuple[int, int, int, int, int, bool]]:
+    """Tensor-parallel rank ``t``'s runs of one group, one per parameter: ``(local offset, canonical offset, length,
+    count, canonical stride, replicated)``: ``count`` runs of ``length`` elements, end to end locally and ``stride``
+    apart in the unsplit model (a parameter split along dimension 1: one per row), in local order (``shift``: the
+    group's elements in the stages before this one)."""
     out, c = [], shift
     for offset, shape, dim in rows:
         n = math.prod(shape)
         if dim is None:
-            out.append((offset, c, n, True))
+            out.append((offset, c, n, 1, n, True))
         else:
             outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
-            out.extend((offset + q * inner, c + (q * tp + t) * inner, inner, False) for q in range(outer))
+            out.append((offset, c + t * inner, inner, outer, tp * inner, False))
         c += n * (tp if dim is not None else 1)
     return out
 
 
+def clip(a0: int, c0: int, n: int, count: int, stride: int, lo: int, hi: int, W: int) -> List[Tuple[int, ...]]:
+    """The pieces of ``tp_runs``' run ``(a0, c0, n, count, stride)`` inside the local range ``[lo, hi)``, cut where
+    the syncer's parts of ``W`` elements are cut: ``(local offset, part, offset in part, length, count)``. Rows whole
+    in both stay blocks of one copy each; a row cut by an edge is split into pieces of one row."""
+    out, q = [], max(0, (lo - a0) // n) if n and lo > a0 else 0
+    while n and q < count:
+        a, c = a0 + q * n, c0 + q * stride
+        if a >= hi:
+            break
+        i = c // W
+        if a >= lo and a + n <= hi and c + n <= (i + 1) * W:  # whole rows, up to an edge
+            m = min(count, (hi - a0) // n, ((i + 1) * W - n - c0) // stride + 1) - q
+            out.append((a, i, c - i * W, n, m))
+            q += m
+            continue
+        x, y = max(a, lo), min(a + n, hi)
+        c += x - a
+        while x < y:
+            i = c // W
+            m = min(y - x, (i + 1) * W - c)
+            out.append((x, i, c - i * W, m, 1))
+            x, c = x + m, c + m
+        q += 1
+    return out
+
+
 def rank_runs(specs, tp: int, t: int, j: int, mine: Parts, syncer: Parts,
-              shift: Optional[Sequence[int]] = None) -> List[Tuple[int, int, int, int, bool]]:
+              shift: Optional[Sequence[int]] = None) -> List[Tuple[int, int, int, int, int, int, bool]]:
     """The runs of the rank at tensor-parallel rank ``t`` and data-parallel rank ``j`` (``mine``: its stage's
     partitions, ``syncer``: the syncer's parts of the unsplit model, ``shift``: ``stage_model``'s of its stage):
-    ``(offset in its partition, syncer part, offset in that part, length, replicated)``, sorted by syncer part and
+    ``(offset in its partition, syncer part, offset in that part, length, count, stride in that part,
+    replicated)``, ``count`` rows of ``length`` elements (end to end in the partition), sorted by syncer part and
     offset."""
     out = []
     for g, rows in enumerate(specs):
         w, W = mine.widths[g], syncer.widths[g]
         lo, hi = j * w, (j + 1) * w
-        for local, canon, n, rep in tp_runs(rows, tp, t, shift[g] if shift else 0):
-            a, b = max(local, lo), min(local + n, hi)
-            c = canon + a - local
-            while a < b:
-                i = c // W
-                m = min(b - a, (i + 1) * W - c)
-                out.append((mine.offset(g) + a - lo, i, syncer.offset(g) + c - i * W, m, rep))
-                a, c = a + m, c + m
+        for local, canon, n, count, stride, rep in tp_runs(rows, tp, t, shift[g] if shift else 0):
+            out.extend((mine.offset(g) + a - lo, i, syncer.offset(g) + po, m, rows_, stride, rep)
+                       for a, i, po, m, rows_ in clip(local, canon, n, count, stride, lo, hi, W))
     out.sort(key=lambda r: (r[1], r[2]))
     return out
 
@@ -175,22 +201,23 @@ class TPRelayout:
             return s // k % tp != 0
         mine_runs = runs_of(slot)
         # Δ: what this rank sends to each slot, and what it takes from each
-        self.send_delta = [[(so, i, po, n) for so, i, po, n, rep in mine_runs
+        self.send_delta = [[(so, n * c) for so, i, _, n, c, _, rep in mine_runs
                             if i % world == s and not (rep and tp_copy(slot))] for s in range(world)]
         self.recv_delta, self.send_theta = [], []
         for s in range(world):
-            runs = [(i, po, n, rep) for _, i, po, n, rep in runs_of(s) if i in own]
-            self.recv_delta.append([(i, po, n) for i, po, n, rep in runs if not (rep and tp_copy(s))])
-            self.send_theta.append([(i, po, n) for i, po, n, _ in runs])
+            runs = [(i, po, n, c, st, rep) for _, i, po, n, c, st, rep in runs_of(s) if i in own]
+            self.recv_delta.append([(i, po, n, c, st) for i, po, n, c, st, rep in runs if not (rep and tp_copy(s))])
+            self.send_theta.append([(i, po, n, c, st) for i, po, n, c, st, _ in runs])
         # θ_g: every run of this rank's partition, from the slot that holds its part
-        self.recv_theta = [[(so, n) for so, i, _, n, _ in mine_runs if i % world == s] for s in range(world)]
+        self.recv_theta = [[(so, n * c) for so, i, _, n, c, _, _ in mine_runs if i % world == s]
+                           for s in range(world)]
 
     def _exchange(self, pieces: List[List[torch.Tensor]], counts: List[int], dtype) -> Tuple[torch.Tensor, list]:
         """Send ``pieces[s]`` to slot ``s``; receive ``counts[s]`` elements from each slot. Returns the received
         elements end to end and where each slot's start."""
         order = sorted(range(self.world), key=lambda s: self.rank_of[s])  # slots in group-rank order
         empty = torch.empty(0, dtype=dtype, device=self.device)
-        send = torch.cat([t.to(self.device, dtype) for s in order for t in pieces[s]] or [empty])
+        send = torch.cat([t.to(self.device, dtype).reshape(-1) for s in order for t in pieces[s]] or [empty])
         recv = torch.empty(sum(counts), dtype=dtype, device=self.device)
         tdist.all_to_all_single(recv, send, [counts[s] for s in order],
                                 [sum(t.numel() for t in pieces[s]) for s in order], group=self.group)
@@ -202,22 +229,23 @@ class TPRelayout:
     def to_syncer(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """This rank's partition (``mine.numel`` elements) → the syncer parts it holds (zero padding). A
         collective over the learner's world."""
-        pieces = [[flat[so:so + n] for so, _, _, n in runs] for runs in self.send_delta]
-        counts = [sum(n for *_, n in runs) for runs in self.recv_delta]
+        pieces = [[flat[so:so + n] for so, n in runs] for runs in self.send_delta]
+        counts = [sum(n * c for _, _, n, c, _ in runs) for runs in self.recv_delta]
         recv, start = self._exchange(pieces, counts, flat.dtype)
         slices = {i: recv.new_zeros(self.syncer.numel) for i in self.owned}
         for s, runs in enumerate(self.recv_delta):
             at = start[s]
-            for i, po, n in runs:
-                slices[i][po:po + n].copy_(recv[at:at + n])
-                at += n
+            for i, po, n, c, st in runs:  # c rows of n elements, st apart: one strided copy
+                slices[i].as_strided((c, n), (st, 1), po).copy_(recv[at:at + n * c].view(c, n))
+                at += n * c
         return [slices[i] for i in self.owned]
 
     def from_syncer(self, slices: List[torch.Tensor]) -> torch.Tensor:
         """The syncer parts this rank holds (``owned`` order) → this rank's partition (``mine.numel`` fp32 elements
         on ``device``, its padding zero). A collective over the learner's world."""
-        held = dict(zip(self.owned, slices))
-        pieces = [[held[i][po:po + n] for i, po, n in runs] for runs in self.send_theta]
+        held = {i: t.contiguous() for i, t in zip(self.owned, slices)}
+        pieces = [[held[i].as_strided((c, n), (st, 1), held[i].storage_offset() + po) for i, po, n, c, st in runs]
+                  for runs in self.send_theta]
         counts = [sum(n for _, n in runs) for runs in self.recv_theta]
         recv, start = self._exchange(pieces, counts, torch.float32)
         flat = torch.zeros(self.mine.numel, dtype=torch.float32, device=self.device)
@@ -229,5 +257,5 @@ class TPRelayout:
         return flat
 
 
-__all__ = ["ATTRIBUTES", "TPRelayout", "canonical_model", "canonical_name", "learner_world", "rank_runs",
+__all__ = ["ATTRIBUTES", "TPRelayout", "canonical_model", "canonical_name", "clip", "learner_world", "rank_runs",
            "split_params", "stage_model", "tp_runs"]
