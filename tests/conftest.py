@@ -21,13 +21,22 @@ of CPU, inside whichever test met it first).
 
 Compiled modules kept. ``PYTHONDONTWRITEBYTECODE`` is taken out of the run's environment: with it, every process
 the suite starts (ranks, launchers, examples) compiled acco_ds, the tests and the examples from source again,
-about 0.1 s of CPU each; without it they share the ``__pycache__`` folders (ignored by git)."""
+about 0.1 s of CPU each; without it they share the ``__pycache__`` folders (ignored by git).
 
+Every process's CPU time counted. A process whose parent ends first (a rank whose launcher was killed, a
+daemon a test leaves behind) is reparented to the nearest *subreaper* above it, or to init, which reaps it
+where no one counts its CPU time: GNU ``time`` over ``make test`` then undercounts what the run used. Each
+process that runs tests makes itself a subreaper (``PR_SET_CHILD_SUBREAPER``), and reaps the orphans it
+inherited at the session's end, so their time adds to its own children's and reaches ``make``. An orphan still
+running then is a leftover process: it is named on stderr and reaped when it ends, within ``ORPHAN_WAIT_S``."""
+
+import ctypes
 import fcntl
 import json
 import os
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +45,8 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")
 VENV_BIN = str(Path(sys.executable).parent)
 UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.5  # a test not in the table yet: a typical one of its kind
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+ORPHAN_WAIT_S = 10.0
 
 
 @contextmanager
@@ -91,6 +102,47 @@ def pytest_configure(config):
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != VENV_BIN:
         os.environ["PATH"] = os.pathsep.join([VENV_BIN, path]) if path else VENV_BIN
+    if _runs_tests(config) and sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _runs_tests(config) -> bool:
+    """An xdist worker, or a run without workers (the xdist controller only hands tests out)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None)
+
+
+def _reap_orphans() -> None:
+    """Reap the children left at the session's end: orphans this subreaper inherited (its own children, the fork
+    servers, are reaped already), so that their CPU time counts in this process's children's. Those still running
+    are waited for a while, then named (multiprocessing's resource tracker ends with this process: not waited)."""
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return  # none left
+        running = [c for c in _children() if "resource_tracker" not in c]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"processes left running after the tests: {'; '.join(running)}\n")
+            return  # left to init
+        time.sleep(0.05)
+
+
+def _children() -> list:
+    """This process's running children, as "pid: command line"."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name.isdigit() and int(fields[1]) == os.getpid() and fields[0] != "Z":
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry.name}: {command[:200]}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 def pytest_itemcollected(item):
@@ -123,6 +175,8 @@ def pytest_sessionfinish(session, exitstatus):
     dist = sys.modules.get("dist")  # tests/dist.py, if this process launched ranks
     if dist is not None:
         dist.stop_forkserver()  # reaped here, so that its ranks' CPU time counts for the run
+    if _runs_tests(session.config) and sys.platform == "linux":
+        _reap_orphans()
     if os.environ.get("ACCO_DS_STORE_DURATIONS") != "1" or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     table = {nodeid: round(s, 1) for nodeid, s in sorted(_took.items()) if s >= 0.5}

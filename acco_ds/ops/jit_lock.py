@@ -47,7 +47,11 @@ def _pid_alive(pid: int) -> bool:
         return True
     except (OverflowError, ValueError):
         return False
-    return True
+    try:  # a zombie (ended, not yet reaped by its parent or a subreaper) holds nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _process_start(pid: int):
