@@ -38,7 +38,8 @@ def start(spec, workdir, name, world=2, deadline=None, env=None, net=None, port=
     for r in range(world):
         argv = [sys.executable, str(WORKER), str(spec_path), str(outdir)]
         cmds.append(({**harness.rank_env(r, world, port, net), **extra}, argv if net is None else net.wrap(r, argv)))
-    return harness.RankSet(cmds, outdir, name, deadline=deadline)
+    # forked from the drill when it preloaded (not inside a namespace, nor with an environment of its own)
+    return harness.RankSet(cmds, outdir, name, deadline=deadline, fork=net is None and not env)
 
 
 def finish(rs, timeout):

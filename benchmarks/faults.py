@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import forked
 import harness
 from fault_scenarios import MOUNT_PREFIX, RESULTS, SAVE_EVERY, SCENARIOS, ScenarioTimeout, row, short
 
@@ -88,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(RESULTS / "faults"), help="results path without extension")
     ap.add_argument("--opts", default="{}", help="JSON object of scenario options (what the tests vary)")
     ap.add_argument("--limit", type=float, default=None, help="hard limit per scenario, s (default: its own)")
+    ap.add_argument("--fresh", action="store_true", help="start every rank as a new interpreter (default: ranks "
+                    "fork from this process, which imports torch, DeepSpeed and acco_ds once: benchmarks/forked.py)")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(SCENARIOS))
@@ -99,6 +102,8 @@ def main(argv=None):
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    if not args.fresh:
+        forked.preload()
     harness.interrupt_on_signals()
     opts = {"stop_timeout_s": args.timeout_s, "link_timeout_s": args.timeout_s, **json.loads(args.opts)}
     base = Path(tempfile.mkdtemp(prefix="acco_faults_"))

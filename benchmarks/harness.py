@@ -37,8 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from acco_ds.testing.ports import free_port  # noqa: E402,F401 - one port picker for benchmarks and tests
-
-
+import forked  # noqa: E402 - ranks forked from a driver that preloaded their imports
 
 
 def cpu_name() -> str:
@@ -333,7 +332,7 @@ class RankSet:
     at once, each in its own session (so that a kill takes its children along: a compiler, a launcher's
     ranks), its output in ``outdir/rank<r>.log``. A ``deadline`` (``Deadline``) bounds every wait."""
 
-    def __init__(self, commands, outdir, name=None, deadline=None, cwd=ROOT):
+    def __init__(self, commands, outdir, name=None, deadline=None, cwd=ROOT, fork=False):
         self.outdir = Path(outdir)
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.name = name or self.outdir.name
@@ -345,6 +344,9 @@ class RankSet:
             for r, (env, argv) in enumerate(self.commands):
                 log = open(self.outdir / f"rank{r}.log", "w")
                 self.logs.append(log)
+                if fork and forked.can_fork(argv):  # ``fork``: a script's rank forks from this process
+                    self.procs.append(forked.Forked(argv, dict(os.environ, **env), log, str(cwd)))
+                    continue
                 self.procs.append(subprocess.Popen(argv, env=dict(os.environ, **env), stdout=log,
                                                    stderr=subprocess.STDOUT, cwd=str(cwd), start_new_session=True))
         except BaseException:
