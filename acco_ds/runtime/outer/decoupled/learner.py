@@ -3,10 +3,10 @@
 Every rank of a learner holds its ZeRO-1 partition of the model (the fp32 master shards of every parameter
 group, end to end, its own experts' among them). The syncer holds the global model cut into parts, one per shard
 (``layout``: the partitions of a learner of as many ranks as the syncer has shards per model-parallel position),
-so learners of any data-parallel size share it, and learners of any tensor-parallel size that map onto the
-unsplit model (``canonical``: the syncer's parts then cut that model); the syncer refuses a learner of another model
-or pipeline or expert-parallel size, or of another tensor-parallel size that does not map (``layout_name``). Rank j of the learner's ``k`` data-parallel ranks at
-model-parallel position m (a tensor-parallel slice or a pipeline stage, ``groups.model_main``) holds the links
+so learners of any data-parallel size share it, and learners of any tensor-parallel and pipeline size that map onto
+the unsplit model (``canonical``: the syncer's parts then cut that model); the syncer refuses a learner of another
+model or expert-parallel size, or of another tensor-parallel or pipeline size that does not map (``layout_name``).
+Rank j of the learner's ``k`` data-parallel ranks at model-parallel position m (a tensor-parallel slice or a pipeline stage, ``groups.model_main``) holds the links
 to the shards of the parts ``i ≡ j (mod k)`` of position m (``connect``): a learner of the syncer's size, rank
 ``m k + j`` to shard ``m k + j``, its partition as it is; another moves its Δ into the syncer's parts, and θ_g
 back, with one all-to-all inside the learner. A period (``sync_every`` inner steps, or ``sync_every_s``
