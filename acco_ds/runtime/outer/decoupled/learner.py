@@ -6,8 +6,8 @@ group, end to end, its own experts' among them). The syncer holds the global mod
 so learners of any data-parallel size share it, and learners of any tensor-parallel and pipeline size that map onto
 the unsplit model (``canonical``: the syncer's parts then cut that model); the syncer refuses a learner of another
 model or expert-parallel size, or of another tensor-parallel or pipeline size that does not map (``layout_name``).
-Rank j of the learner's ``k`` data-parallel ranks at model-parallel position m (a tensor-parallel slice or a pipeline stage, ``groups.model_main``) holds the links
-to the shards of the parts ``i ≡ j (mod k)`` of position m (``connect``): a learner of the syncer's size, rank
+Rank j of the learner's ``k`` data-parallel ranks at model-parallel position m (a tensor-parallel slice or a
+pipeline stage, ``groups.model_main``) holds the links to the shards of the parts ``i ≡ j (mod k)`` of position m (``connect``): a learner of the syncer's size, rank
 ``m k + j`` to shard ``m k + j``, its partition as it is; another moves its Δ into the syncer's parts, and θ_g
 back, with one all-to-all inside the learner. A period (``sync_every`` inner steps, or ``sync_every_s``
 seconds) ends with::
