@@ -6,21 +6,20 @@ unsplit model gives θ_g after every merge. Stages with a weight tied across the
 groups, do not map: their learner keeps its per-stage name and is refused with both named."""
 
 import math
-import threading
 
 import pytest
 import torch
 
 import common
 from acco_ds.config.decoupled import shape_refusal
-from acco_ds.runtime.outer.decoupled import canonical, wire
+from acco_ds.runtime.outer.decoupled import wire
 from acco_ds.runtime.outer.decoupled.canonical import (TPRelayout, canonical_model, canonical_name, rank_runs,
                                                        split_params, stage_model)
 from acco_ds.runtime.outer.decoupled.layout import Parts, part_width
 from acco_ds.runtime.outer.decoupled.link import Link
 from acco_ds.runtime.outer.decoupled.syncer import Shard
 from test_decoupled_sizes import H, STEPS, assert_syncer_holds, reference, run_fleet
-from test_decoupled_tp_sizes import flat_params
+from test_decoupled_tp_sizes import flat_params, threaded_round_trip
 from test_decoupled_wire import KEYS, SETTINGS, serve
 from test_engine import assert_matches
 
@@ -112,26 +111,7 @@ def test_a_tp2_pp2_learner_moves_its_stages_into_the_parts_of_the_unsplit_model_
         if m == 3:
             flat[piece.numel() - 3:piece.numel()] = -1.0  # b2 leaves from tensor-parallel rank 0 only
         sent.append(flat)
-    me, box, barrier = threading.local(), {}, threading.Barrier(world)
-
-    def all_to_all_single(recv, send, in_splits, out_splits, group=None):
-        box[me.rank] = torch.split(send, out_splits)
-        barrier.wait()
-        recv.copy_(torch.cat([box[r][me.rank] for r in range(world)]))
-        barrier.wait()
-
-    monkeypatch.setattr(canonical.tdist, "all_to_all_single", all_to_all_single)
-    out = {}
-
-    def rank(s):
-        me.rank = rank_of[s]
-        parts = relayouts[s].to_syncer(sent[s])
-        out[s] = (parts, relayouts[s].from_syncer(parts))
-    threads = [threading.Thread(target=rank, args=(s,)) for s in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = threaded_round_trip(relayouts, sent, rank_of, monkeypatch)
     parts = {i: p for s in range(world) for i, p in zip(relayouts[s].owned, out[s][0])}
     assert torch.equal(torch.cat([parts[i] for i in range(3)])[:full.numel()], full)
     for s in range(world):

@@ -152,6 +152,33 @@ def test_a_learner_that_does_not_map_says_why_when_refused():
                               "tensor-parallel slices cannot be mapped onto the unsplit model: parameter 0 ...")
 
 
+def threaded_round_trip(relayouts, sent, rank_of, monkeypatch):
+    """Each slot's ``to_syncer`` then ``from_syncer`` in a thread of its own, the world's all-to-all stood in for
+    by the threads (slot s at group rank ``rank_of[s]``): ``{slot: (its syncer parts, its partition back)}``."""
+    world = len(relayouts)
+    me, box, barrier = threading.local(), {}, threading.Barrier(world)
+
+    def all_to_all_single(recv, send, in_splits, out_splits, group=None):
+        box[me.rank] = torch.split(send, out_splits)
+        barrier.wait()
+        recv.copy_(torch.cat([box[r][me.rank] for r in range(world)]))
+        barrier.wait()
+
+    monkeypatch.setattr(canonical.tdist, "all_to_all_single", all_to_all_single)
+    out = {}
+
+    def rank(s):
+        me.rank = rank_of[s]
+        parts = relayouts[s].to_syncer(sent[s])
+        out[s] = (parts, relayouts[s].from_syncer(parts))
+    threads = [threading.Thread(target=rank, args=(s,)) for s in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
 def tp_slice(full, t, tp_size):
     """Tensor-parallel rank ``t``'s flat parameters of ``tp.FullNet``'s flat ``full`` (w1 rows, b1, w2 columns,
     b2 replicated): ``tp.assemble``'s inverse."""
@@ -183,26 +210,7 @@ def test_a_tp2_dp2_learner_moves_its_partitions_into_five_parts_of_the_unsplit_m
         partitions.append(flat[(s % k) * w:(s % k + 1) * w].clone())
         flat[local - 3:local] = -1.0 if s >= k else flat[local - 3:local]  # b2 leaves from tp rank 0 only
         sent.append(flat[(s % k) * w:(s % k + 1) * w].clone())
-    me, box, barrier = threading.local(), {}, threading.Barrier(world)
-
-    def all_to_all_single(recv, send, in_splits, out_splits, group=None):
-        box[me.rank] = torch.split(send, out_splits)
-        barrier.wait()
-        recv.copy_(torch.cat([box[r][me.rank] for r in range(world)]))
-        barrier.wait()
-
-    monkeypatch.setattr(canonical.tdist, "all_to_all_single", all_to_all_single)
-    out = {}
-
-    def rank(s):
-        me.rank = rank_of[s]
-        parts = relayouts[s].to_syncer(sent[s])
-        out[s] = (parts, relayouts[s].from_syncer(parts))
-    threads = [threading.Thread(target=rank, args=(s,)) for s in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = threaded_round_trip(relayouts, sent, rank_of, monkeypatch)
     parts = {i: p for s in range(world) for i, p in zip(relayouts[s].owned, out[s][0])}
     assert torch.equal(torch.cat([parts[i] for i in range(5)])[:full.numel()], full)
     for s in range(world):
