@@ -16,10 +16,10 @@ from acco_ds.runtime.outer.decoupled import wire
 from acco_ds.runtime.outer.decoupled.canonical import (TPRelayout, canonical_model, canonical_name, rank_runs,
                                                        split_params, stage_model)
 from acco_ds.runtime.outer.decoupled.layout import Parts, part_width
-from acco_ds.runtime.outer.decoupled.link import Link
 from acco_ds.runtime.outer.decoupled.syncer import Shard
 from test_decoupled_sizes import H, STEPS, assert_syncer_holds, reference, run_fleet
 from test_decoupled_tp_sizes import flat_params, threaded_round_trip
+from test_decoupled_shapes import say_hello
 from test_decoupled_wire import KEYS, SETTINGS, serve
 from test_engine import assert_matches
 
@@ -137,11 +137,7 @@ def test_stages_that_cannot_be_concatenated_are_named_and_refused(tmp_path):
                                 keys=KEYS, say=lambda _: None))
 
     def hello(learner, layout):
-        link = Link(("127.0.0.1", shard.port), learner, 10 + learner, 0, 5, 1 << 20, KEYS, 1, layout)
-        try:
-            return link.open(5)
-        finally:
-            link.close()
+        return say_hello(shard.port, learner, layout)
     try:
         assert hello(0, first) == wire.NO_VERSION
         with pytest.raises(wire.Refused) as err:

@@ -118,6 +118,15 @@ def test_tensor_and_pipeline_parallel_learners_are_diloco(tmp_path):
     assert not torch.equal(ref["anchor"][0], ref["anchor"][H]), "the anchor moves at the merge"
 
 
+def say_hello(port, learner, layout):
+    """HELLO to the shard on ``port`` as ``learner`` of shape ``layout``: the shard's version (a refusal raises)."""
+    link = Link(("127.0.0.1", port), learner, 10 + learner, 0, 5, 1 << 20, KEYS, 1, layout)
+    try:
+        return link.open(5)
+    finally:
+        link.close()
+
+
 def test_a_learner_of_another_shape_is_refused_naming_both(tmp_path):
     """A shard takes the first learner's shape (said at HELLO); a learner of another is refused before it sends
     anything, in words naming both shapes and the fix; one of the same shape, and rank 0's heartbeat (no shape),
@@ -126,11 +135,7 @@ def test_a_learner_of_another_shape_is_refused_naming_both(tmp_path):
                                 keys=KEYS, say=lambda _: None))
 
     def hello(learner, layout):
-        link = Link(("127.0.0.1", shard.port), learner, 10 + learner, 0, 5, 1 << 20, KEYS, 1, layout)
-        try:
-            return link.open(5)
-        finally:
-            link.close()
+        return say_hello(shard.port, learner, layout)
     try:
         assert hello(0, "dp2.tp1.pp1.ep2.n62.g0000abcd") == wire.NO_VERSION
         with pytest.raises(wire.Refused) as err:

@@ -18,9 +18,9 @@ from acco_ds.runtime.outer.decoupled.canonical import (TPRelayout, canonical_mod
                                                        split_params)
 from acco_ds.runtime.outer.decoupled.connect import Connect
 from acco_ds.runtime.outer.decoupled.layout import Parts, part_width
-from acco_ds.runtime.outer.decoupled.link import Link
 from acco_ds.runtime.outer.decoupled.syncer import Shard
 from test_decoupled_sizes import H, STEPS, assert_syncer_holds, reference, run_fleet
+from test_decoupled_shapes import say_hello
 from test_decoupled_wire import KEYS, SETTINGS, serve
 from test_engine import assert_matches
 
@@ -114,11 +114,7 @@ def test_learners_of_other_unsplit_models_are_refused_naming_both(tmp_path):
                                 keys=KEYS, say=lambda _: None))
 
     def hello(learner, layout):
-        link = Link(("127.0.0.1", shard.port), learner, 10 + learner, 0, 5, 1 << 20, KEYS, 1, layout)
-        try:
-            return link.open(5)
-        finally:
-            link.close()
+        return say_hello(shard.port, learner, layout)
     try:
         assert hello(0, at_tp1) == wire.NO_VERSION
         with pytest.raises(wire.Refused) as err:
