@@ -37,10 +37,6 @@ def preload(modules=MODULES) -> None:
     _preloaded = True
 
 
-def preloaded() -> bool:
-    return _preloaded
-
-
 def can_fork(argv) -> bool:
     """``argv`` is ``[this interpreter, script.py, ...]`` and the driver preloaded."""
     return _preloaded and len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py")

@@ -47,20 +47,21 @@ def _pid_alive(pid: int) -> bool:
         return True
     except (OverflowError, ValueError):
         return False
-    try:  # a zombie (ended, not yet reaped by its parent or a subreaper) holds nothing
+    return _stat_field(pid, 0) != "Z"  # a zombie (ended, not yet reaped by its parent or a subreaper) holds nothing
+
+
+def _stat_field(pid: int, index: int):
+    """Field ``index`` of ``/proc/<pid>/stat`` after the command name (0: state, 19: start time), or None."""
+    try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[index]
     except (OSError, IndexError):
-        return True
+        return None
 
 
 def _process_start(pid: int):
     """Start time of ``pid`` in clock ticks (Linux ``/proc``), or None: tells a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    return _stat_field(pid, 19)
 
 
 def _filesystem_type(path: str):
