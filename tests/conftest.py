@@ -42,9 +42,12 @@ from pathlib import Path
 
 import pytest
 
+import scheduling
+
 DURATIONS = Path(__file__).with_name("durations.json")
 VENV_BIN = str(Path(sys.executable).parent)
-UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.5  # a test not in the table yet: a typical one of its kind
+# a test not in the table yet: a typical one of its kind (slow, alone, the single-process rest)
+DEFAULT_S = {scheduling.SLOW: 10.0, scheduling.ALONE: 10.0, scheduling.REST: 0.5}
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 ORPHAN_WAIT_S = 10.0
 
@@ -90,8 +93,7 @@ def _one_machine(request):
         yield
 
 
-def _key(nodeid: str) -> str:
-    return nodeid.split("@")[0]  # xdist appends "@group" under --dist loadgroup
+_key = scheduling.key
 
 
 def pytest_configure(config):
@@ -153,14 +155,25 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(config, items):
     """Order: ``slow`` tests, the ``alone`` group, the rest; longest first within each. Both workers collect in
-    this order (xdist checks that they agree)."""
+    this order (xdist checks that they agree), and write each test's kind for the controller's scheduler."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
     def order(item):
-        kind = 1 if item.get_closest_marker("alone") else 0 if item.get_closest_marker("slow") else 2
-        default = UNKNOWN_FAST_S if kind == 2 else UNKNOWN_SLOW_S
-        return kind, -seconds.get(_key(item.nodeid), default)
+        kind = scheduling.kind_of(item)
+        return kind, -seconds.get(_key(item.nodeid), DEFAULT_S[kind])
     items.sort(key=order)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        scheduling.write_kinds(os.environ["PYTEST_XDIST_TESTRUNUID"], items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with one worker more than the cores: ``tests/scheduling.py``."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    return scheduling.CoreScheduling(config, log, cores=len(os.sched_getaffinity(0)), seconds=seconds,
+                                     default_s=DEFAULT_S)
 
 
 _took: dict = {}
