@@ -41,9 +41,9 @@ demo: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(NINJA_PATH) $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config configs/acco_cpu.json --steps $(STEPS)
 
-# pytest-xdist workers (WORKERS, default one more than the cores: the extra one runs single-process tests while
-# multi-process ones wait, tests/scheduling.py); tests marked `alone` hold the machine to themselves
-# (tests/conftest.py).
+# pytest-xdist workers (WORKERS, default one more than the cores: the extra one, at the lowest CPU priority, runs
+# single-process tests in the moments multi-process ones leave a core idle: tests/scheduling.py); tests marked
+# `alone` hold the machine to themselves (tests/conftest.py).
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 

@@ -136,6 +136,23 @@ def row(run, target, solo_rate=None):
     return out
 
 
+def paired_runs(args, workdir, target):
+    """For each ``adopt`` and repeat: the fleet apart (the fast learner's solo rate) then on one syncer (K = 1),
+    back to back, so that each ratio compares two runs under the same moment's load."""
+    H, rows = args.sync_every, []
+    for repeat in range(args.repeats):
+        for adopt in args.adopt:
+            local = {"sync_every": H, "min_quorum": 1, "adopt": adopt}
+            tag = f"{adopt}, run {repeat + 1}"
+            apart = fleet(f"apart-{adopt}-{repeat}", {**local, "grace_s": 0}, args, workdir, apart=True)
+            one = fleet(f"decoupled-{adopt}-{repeat}", {**local, "grace_s": "auto", "staleness": "delayed_nesterov",
+                                                       "nesterov_delay": 2}, args, workdir)
+            solo = row(apart, target)["fast_tokens_per_s"]
+            rows += [{**row(apart, target, solo), "run": f"apart ({tag})"},
+                     {**row(one, target, solo), "run": f"decoupled ({tag})"}]
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stock-steps", type=int, default=40)
@@ -143,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--sync-time-s", type=float, default=4.0)
     ap.add_argument("--syncs", type=int, default=10, help="A-EDiT's syncs")
+    ap.add_argument("--adopt", nargs="+", default=["wait", "overlap"], choices=["wait", "overlap"])
+    ap.add_argument("--repeats", type=int, default=1, help="apart/decoupled pairs per adopt mode")
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_fleet"))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
@@ -150,22 +169,20 @@ def main(argv=None) -> int:
     H = args.sync_every
     stock = barrier_run("stock", acco_config({"mode": "sync"}, 2), ["--steps", str(args.stock_steps)], args, workdir)
     target = stock["learners"][0][0]["trace"][-1]["val_loss"]
-    runs = [fleet("apart", {"sync_every": H, "min_quorum": 1, "grace_s": 0}, args, workdir, apart=True),
-            fleet("barrier", {"sync_every": H, "min_quorum": 2, "grace_s": 0}, args, workdir),
-            fleet("decoupled", {"sync_every": H, "min_quorum": 1, "grace_s": "auto",
-                                "staleness": "delayed_nesterov", "nesterov_delay": 2}, args, workdir),
-            barrier_run("A-EDiT", acco_config({"mode": "edit", "local_sgd": {"sync_time_s": args.sync_time_s,
-                                                                             "replica_group_size": 1}}, 2),
-                        ["--syncs", str(args.syncs)], args, workdir)]
-    solo_rate = row(runs[0], target)["fast_tokens_per_s"]
-    rows = [row(stock, target)] + [row(r, target, solo_rate) for r in runs]
+    rows = [row(stock, target)] + paired_runs(args, workdir, target)
+    solo_wait = next((r["fast_tokens_per_s"] for r in rows if r["run"].startswith("apart (wait")), None)
+    rows.append(row(fleet("barrier", {"sync_every": H, "min_quorum": 2, "grace_s": 0}, args, workdir), target,
+                    solo_wait))
+    rows.append(row(barrier_run("A-EDiT", acco_config({"mode": "edit", "local_sgd": {
+        "sync_time_s": args.sync_time_s, "replica_group_size": 1}}, 2), ["--syncs", str(args.syncs)], args, workdir),
+        target, solo_wait))
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
             "python": platform.python_version(), "command": "python benchmarks/decoupled_fleet.py " + " ".join(
                 sys.argv[1:] if argv is None else argv), "target": target, "slow_factor": SLOW_FACTOR,
-            "seconds": args.seconds, "sync_every": H, "date": time.strftime("%Y-%m-%d")}
+            "seconds": args.seconds, "sync_every": H, "date": time.strftime("%Y-%m-%d %H:%M")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| run | time to stock's loss (s) | final val loss | fast learner tokens/s | vs solo | merges | "
+    lines = ["| run | time to stock's loss (s) | final val loss | fast learner tokens/s | vs apart | merges | "
              "longest pause (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
@@ -174,7 +191,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['run']} | {t} | {r['final_val_loss']:.3f} | {r['fast_tokens_per_s']:.0f} | {vs} | "
                      f"{r['merges'] if r['merges'] is not None else '-'} | {wait} |")
     text = "\n".join([f"Target (stock ZeRO-1's final validation loss): {target:.3f}. {meta['machine']}, "
-                      f"{meta['date']}, `{meta['command']}`.", ""] + lines) + "\n"
+                      f"{meta['date']}, `{meta['command']}`. \"vs apart\": the fast learner's tokens/s over the apart "
+                      "run just before it (barrier and A-EDiT: over the first apart run with adopt wait).", ""]
+                     + lines) + "\n"
     Path(args.out + ".md").write_text(text)
     print(text)
     return 0

@@ -98,7 +98,7 @@ _key = scheduling.key
 
 def pytest_configure(config):
     """The venv's ``bin`` first on ``PATH`` (its ninja for every JIT build), and compiled modules kept, in this
-    process and what it starts."""
+    process and what it starts; a filler worker at the lowest CPU priority (``tests/scheduling.py``)."""
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         sys.dont_write_bytecode = False
     path = os.environ.get("PATH", "")
@@ -106,6 +106,8 @@ def pytest_configure(config):
         os.environ["PATH"] = os.pathsep.join([VENV_BIN, path]) if path else VENV_BIN
     if _runs_tests(config) and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        scheduling.start_worker(os.environ["PYTEST_XDIST_WORKER"])
 
 
 def _runs_tests(config) -> bool:
@@ -171,9 +173,7 @@ def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with one worker more than the cores: ``tests/scheduling.py``."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    return scheduling.CoreScheduling(config, log, cores=len(os.sched_getaffinity(0)), seconds=seconds,
-                                     default_s=DEFAULT_S)
+    return scheduling.CoreScheduling(config, log, cores=scheduling.cores())
 
 
 _took: dict = {}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
-from scheduling import ALONE, REST, SLOW, CoreScheduling
+from scheduling import ALONE, REST, SLOW, CoreScheduling, is_filler
 
 
 class Worker:
@@ -32,7 +32,7 @@ def simulate(tests, workers: int, cores: int):
     kinds = {f"t.py::{name}": kind for name, kind, _ in tests}
     seconds = {f"t.py::{name}": s for name, _, s in tests}
     config = SimpleNamespace(getvalue=lambda name: [f"{workers}*popen"], option=SimpleNamespace(loadscopereorder=False))
-    sched = CoreScheduling(config, cores=cores, seconds=seconds, default_s={SLOW: 1, ALONE: 1, REST: 1}, kinds=kinds)
+    sched = CoreScheduling(config, cores=cores, kinds=kinds)
     nodes = [Worker(f"gw{i}") for i in range(workers)]
     for node in nodes:
         sched.add_node(node)
@@ -49,9 +49,12 @@ def simulate(tests, workers: int, cores: int):
             if (kind == ALONE and SLOW in others) or (kind == SLOW and ALONE in others):
                 continue  # the machine lock
             running[node] = node.queue[0]
-            ran.append((now, kind, sorted(kinds[ids[i].split("@")[0]] for i in running.values())))
+            ran.append(SimpleNamespace(when=now, kind=kind, filler=is_filler(node.gateway.id, cores), name=ids[
+                node.queue[0]], beside=sorted(kinds[ids[i].split("@")[0]] for i in running.values()), core_beside=sorted(
+                kinds[ids[i].split("@")[0]] for n, i in running.items() if not is_filler(n.gateway.id, cores))))
             heapq.heappush(ends, (now + seconds[ids[node.queue[0]].split("@")[0]], node.gateway.id, node))
-        held_slow_max = max(held_slow_max, sum(SLOW in sched._held(node) for node in nodes))
+        held_slow_max = max(held_slow_max, sum(any(kinds[ids[i].split("@")[0]] == SLOW for i in node.queue)
+                                               for node in nodes))
         if not ends:
             break
         now, _, node = heapq.heappop(ends)
@@ -70,26 +73,28 @@ tests_strategy = st.lists(st.tuples(st.sampled_from([SLOW, ALONE, REST]), st.flo
 def test_every_test_runs_once_and_the_cores_are_never_crowded(tests, cores, extra):
     named = sorted(((f"test_{i}", kind, s) for i, (kind, s) in enumerate(tests)), key=lambda t: (t[1], -t[2]))
     run = simulate(named, workers=cores + extra, cores=cores)
-    assert len(run.ran) == len(named), "a test was never run: the workers waited for each other"
+    assert sorted(r.name.split("::")[1].split("@")[0] for r in run.ran) == sorted(name for name, _, _ in named), \
+        "a test was never run, or twice: the workers waited for each other"
     assert not run.sched.workqueue and all(node.shutting_down and not node.queue for node in run.nodes)
     assert run.held_slow_max <= cores
-    for _, kind, beside in run.ran:
-        assert beside.count(SLOW) <= cores
-        if ALONE in beside:
-            assert SLOW not in beside and beside.count(REST) <= cores - 1
+    for r in run.ran:
+        assert r.beside.count(SLOW) <= cores
+        assert not r.filler or r.kind == REST
+        if ALONE in r.beside:
+            assert SLOW not in r.beside and r.core_beside.count(REST) <= cores - 1
 
 
-def test_the_extra_worker_runs_single_process_tests_beside_two_multi_process_ones():
+def test_the_filler_runs_the_shortest_single_process_tests_beside_two_multi_process_ones():
     tests = [(f"slow_{i}", SLOW, 10.0) for i in range(6)] + [("alone_0", ALONE, 4.0), ("alone_1", ALONE, 4.0)]
-    tests += [(f"rest_{i}", REST, 1.0) for i in range(40)]
+    tests += [(f"rest_{i}", REST, 1.0 + (40 - i) / 10) for i in range(40)]  # longest first, as conftest orders
     run = simulate(tests, workers=3, cores=2)
-    slow_phase = [beside for when, _, beside in run.ran if when < 30]
-    assert max(beside.count(SLOW) for beside in slow_phase) == 2
-    assert any(beside.count(SLOW) == 2 and REST in beside for beside in slow_phase)
-    beside_alone = [beside for _, _, beside in run.ran if ALONE in beside]
-    assert beside_alone and all(beside.count(REST) <= 1 for beside in beside_alone)
-    # kept back for the alone group: single-process tests still run beside it
-    assert any(REST in beside for beside in beside_alone)
-    # two workers alone: the slow tests (60 s over two) plus the group (8 s) and the rest beside it
+    filler = [r for r in run.ran if r.filler]
+    assert [r.name for r in filler[:3]] == ["t.py::rest_39", "t.py::rest_38", "t.py::rest_37"]
+    assert any(r.beside.count(SLOW) == 2 and REST in r.beside for r in filler)
+    assert max(r.beside.count(SLOW) for r in run.ran) == 2
+    core = [r for r in run.ran if not r.filler]
+    assert [r.name for r in core[:6]] == [f"t.py::slow_{i}" for i in range(6)]
+    beside_alone = [r for r in run.ran if ALONE in r.beside]
+    assert beside_alone and all(r.core_beside.count(REST) <= 1 for r in beside_alone)
     two = simulate(tests, workers=2, cores=2)
     assert run.end < two.end
