@@ -5,8 +5,8 @@ its time waiting (ranks meeting, a deliberate silence, a process starting), and 
 moments leave cores idle. The extra worker, the *filler*, fills them:
 
 - it runs single-process tests only, shortest first (from the end of the queue), at the lowest CPU priority
-  (``os.nice(FILLER_NICE)``, set by the worker itself): it gets a core when the others leave one idle, and
-  costs the other tests next to nothing when they do not;
+  (``start_worker``): it gets a core when the others leave one idle, and costs the other tests next to nothing
+  when they do not;
 - the other workers, one per core, take the queue in collection order as ``loadgroup`` does (multi-process
   tests longest first, then the ``alone`` group, then single-process tests longest first; ``conftest.py``): at
   most one multi-process test per core runs at a time, and the ``alone`` group (its lock in ``conftest.py``
@@ -21,6 +21,7 @@ controller reads it when it hands out the first tests. Without it every test cou
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -60,9 +61,21 @@ def is_filler(worker: str, cores: int) -> bool:
 
 
 def start_worker(worker: str) -> None:
-    """In each worker at its start: a filler takes the lowest CPU priority, for itself and what it starts."""
-    if is_filler(worker, cores()):
-        os.nice(FILLER_NICE)
+    """In each worker at its start: a filler takes the lowest CPU priority, for itself and what it starts. Linux
+    shares the CPU between sessions first (autogroups), so a nice value alone would only rank the filler among
+    the processes of its own session: the filler opens a session of its own, whose group it nices, and its
+    processes run under ``SCHED_IDLE`` (they get a core no other runnable process wants)."""
+    if not is_filler(worker, cores()):
+        return
+    os.nice(FILLER_NICE)
+    if sys.platform != "linux":
+        return
+    try:
+        os.setsid()
+        Path("/proc/self/autogroup").write_text(str(FILLER_NICE))
+    except OSError:
+        pass  # no autogroups (or already a session leader): the nice value and SCHED_IDLE still apply
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 class CoreScheduling(LoadGroupScheduling):
