@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STEPS  ?= 60
-WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+WORKERS ?= 2
 # JIT-built ops (DeepSpeed's shared-memory op, its fused Adam) live beside the venv that built them: a shared
 # ~/.cache/torch_extensions would be rebuilt (a minute or more) whenever another checkout's venv ran last.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
@@ -41,9 +41,8 @@ demo: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(NINJA_PATH) $(BIN)/deepspeed --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config configs/acco_cpu.json --steps $(STEPS)
 
-# pytest-xdist workers (WORKERS, default one more than the cores: the extra one, at the lowest CPU priority, runs
-# single-process tests in the moments multi-process ones leave a core idle: tests/scheduling.py); tests marked
-# `alone` hold the machine to themselves (tests/conftest.py).
+# pytest-xdist workers (WORKERS, default 2: one per core); tests marked `alone` hold the machine to themselves
+# (tests/conftest.py).
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 

@@ -42,12 +42,9 @@ from pathlib import Path
 
 import pytest
 
-import scheduling
-
 DURATIONS = Path(__file__).with_name("durations.json")
 VENV_BIN = str(Path(sys.executable).parent)
-# a test not in the table yet: a typical one of its kind (slow, alone, the single-process rest)
-DEFAULT_S = {scheduling.SLOW: 10.0, scheduling.ALONE: 10.0, scheduling.REST: 0.5}
+UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.5  # a test not in the table yet: a typical one of its kind
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 ORPHAN_WAIT_S = 10.0
 
@@ -93,12 +90,13 @@ def _one_machine(request):
         yield
 
 
-_key = scheduling.key
+def _key(nodeid: str) -> str:
+    return nodeid.split("@")[0]  # xdist appends "@group" under --dist loadgroup
 
 
 def pytest_configure(config):
     """The venv's ``bin`` first on ``PATH`` (its ninja for every JIT build), and compiled modules kept, in this
-    process and what it starts; a filler worker at the lowest CPU priority (``tests/scheduling.py``)."""
+    process and what it starts."""
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         sys.dont_write_bytecode = False
     path = os.environ.get("PATH", "")
@@ -106,8 +104,6 @@ def pytest_configure(config):
         os.environ["PATH"] = os.pathsep.join([VENV_BIN, path]) if path else VENV_BIN
     if _runs_tests(config) and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        scheduling.start_worker(os.environ["PYTEST_XDIST_WORKER"])
 
 
 def _runs_tests(config) -> bool:
@@ -157,23 +153,14 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(config, items):
     """Order: ``slow`` tests, the ``alone`` group, the rest; longest first within each. Both workers collect in
-    this order (xdist checks that they agree), and write each test's kind for the controller's scheduler."""
+    this order (xdist checks that they agree)."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
     def order(item):
-        kind = scheduling.kind_of(item)
-        return kind, -seconds.get(_key(item.nodeid), DEFAULT_S[kind])
+        kind = 1 if item.get_closest_marker("alone") else 0 if item.get_closest_marker("slow") else 2
+        default = UNKNOWN_FAST_S if kind == 2 else UNKNOWN_SLOW_S
+        return kind, -seconds.get(_key(item.nodeid), default)
     items.sort(key=order)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        scheduling.write_kinds(os.environ["PYTEST_XDIST_TESTRUNUID"], items)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with one worker more than the cores: ``tests/scheduling.py``."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    return scheduling.CoreScheduling(config, log, cores=scheduling.cores())
 
 
 _took: dict = {}
