@@ -59,6 +59,8 @@ class Handlers:
             members = [v for m in rec["members"] for v in m]
             self._send(peer, wire.Message("MERGE", version=rec["version"], name="learners",
                                           tensor=wire.int64s(members)))
+        for learner, incarnation in self.dropped_orphans:  # dropped before this follower came: its slices go too
+            self._send(peer, wire.Message("DROP", learner=learner, incarnation=incarnation))
         self._send(peer, wire.Message("PONG", version=self.state.version))  # caught up
 
     def _on_hello(self, peer: bytes, msg: wire.Message) -> None:

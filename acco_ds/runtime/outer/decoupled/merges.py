@@ -17,95 +17,10 @@ from typing import Dict, List, Optional
 import torch
 
 from . import wire
+from .held import HeldDeltas, append_line, durable_write
 
 AUTO_FRACTION = 0.1  # grace_s "auto": this fraction of the learners' mean period
 EWMA = 0.3  # weight of the newest period in that mean
-
-
-def durable_write(path: str, write) -> None:
-    """``write(file)`` into ``path`` through a temporary file: fsync the file, rename it, fsync the folder, so that a
-    crash leaves the old file or the new one, never a torn one."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def append_line(path: str, record: dict) -> None:
-    """Append one JSON line and fsync it (and the folder, the first time)."""
-    new = not os.path.exists(path)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    if new:
-        fsync_dir(os.path.dirname(path) or ".")
-
-
-class HeldDeltas:
-    """The Δ slices a shard holds, also on disk (``state_dir``) until the merge that takes them is saved."""
-
-    def _delta_path(self, learner: int, incarnation: int, base: int) -> str:
-        return self._path(f"shard{self.index}-delta-{learner}-{incarnation}-{base}.pt")
-
-    def _keep(self, learner: int, entry: dict) -> None:
-        """Write a Δ slice this shard holds next to its checkpoint, fsynced (file and folder): a decision replayed
-        after this process or its machine restarted merges it even if its learner died meanwhile (it would wait for
-        it forever). The disk is read back only for a logged decision naming the slice, hence this order: shard 0
-        logs decisions itself, after joining the writes of the slices they name (``_maybe_merge``), so its write
-        runs on a thread from its ACK, beside the READY and the other learners' slices, not before the ACK. A
-        follower (j > 0) hears of a decision from shard 0, which decides once the learner's rank 0 said READY,
-        after every rank had its ACK: only the ACK orders a follower's write before the decision, so a follower
-        fsyncs before it answers ACK (on its rank's path; avoiding that would need a message to shard 0)."""
-        if self.state_dir is None:
-            return
-        key = (learner, entry["incarnation"], entry["base"])
-        self._kept(*key)  # the same slice sent again: one write at a time
-        rec = {k: entry[k] for k in ("incarnation", "base", "tokens", "steps", "adopted", "delta")}
-        if self.index != 0:
-            return self._write_delta(self._delta_path(*key), rec)
-        writer = threading.Thread(target=self._write_delta, args=(self._delta_path(*key), rec), daemon=True)
-        self.writers[key] = writer
-        writer.start()
-
-    @staticmethod
-    def _write_delta(path: str, rec: dict) -> None:
-        durable_write(path, lambda f: torch.save(rec, f))
-
-    def _kept(self, learner: int, incarnation: int, base: int) -> None:
-        """Wait until that Δ slice is on disk, if it is being written."""
-        writer = self.writers.pop((learner, incarnation, base), None)
-        if writer is not None:
-            writer.join()
-
-    def _recall(self, learner: int, incarnation: int, base: int) -> None:
-        """The Δ slice a decision names and no learner sent to this process: from the disk, if it is there."""
-        self._kept(learner, incarnation, base)
-        path = None if self.state_dir is None else self._delta_path(learner, incarnation, base)
-        if path is None or learner in self.pending or not os.path.exists(path):
-            return
-        rec = torch.load(path, weights_only=True)  # only tensors and numbers
-        self.pending[learner] = {**rec, "ready": None, "conn": None}
-        self.say(f"took the pseudo-gradient of learner {learner} (incarnation {incarnation}, base {base}) from {path}")
-
-    def _forget(self, learner: int, incarnation: int, base: int) -> None:
-        self._kept(learner, incarnation, base)
-        if self.state_dir is not None:
-            try:
-                os.remove(self._delta_path(learner, incarnation, base))
-            except FileNotFoundError:
-                pass
 
 
 class MergeRule(HeldDeltas):
@@ -119,6 +34,7 @@ class MergeRule(HeldDeltas):
         self.decided: Dict[int, list] = {}  # version -> [(learner, incarnation, base)], not applied yet
         self.early: Dict[tuple, "wire.Message"] = {}  # (peer, kind) -> a DELTA or READY from a version to come
         self.writers: Dict[tuple, threading.Thread] = {}  # (learner, incarnation, base) -> the write of its Δ slice
+        self.orphans, self.dropped_orphans = {}, []  # shard 0: held.py
         if self.state_dir is None:
             return
         os.makedirs(self.state_dir, exist_ok=True)
@@ -135,6 +51,7 @@ class MergeRule(HeldDeltas):
                 self.say(f"decisions {sorted(self.decided)} are logged and not merged yet: taking their "
                          f"pseudo-gradients from {self.state_dir} or from the learners that send them again")
                 self._apply()
+            self._orphans()
 
     def decisions(self, after: int) -> List[dict]:
         """Shard 0's logged decisions of versions above ``after``."""
@@ -285,6 +202,7 @@ class MergeRule(HeldDeltas):
         if p is not None and p["incarnation"] == incarnation:
             del self.pending[learner]
             self._forget(learner, incarnation, p["base"])
+        self._forget_all(learner, incarnation)
         for f in list(self.followers):
             self._send(f, wire.Message("DROP", learner=learner, incarnation=incarnation))
 
@@ -294,6 +212,7 @@ class MergeRule(HeldDeltas):
             if p is not None and p["incarnation"] == msg.incarnation and not self._named(msg.learner):
                 del self.pending[msg.learner]
                 self._forget(msg.learner, msg.incarnation, p["base"])
+            self._forget_all(msg.learner, msg.incarnation)
         elif msg.kind == "MERGE":
             t = wire.expect(msg, "MERGE").tensor
             if t is None or t.dtype != torch.int64 or t.numel() % 3:

@@ -266,6 +266,7 @@ class Shard(Handlers, Identity, MergeRule):
                 self.say(f"learner {learner} silent for {self.liveness_s:g} s (local_sgd.syncer.liveness_s): it "
                          f"leaves the quorum and its pseudo-gradient in flight is dropped")
                 self._drop(learner, incarnation)
+        self._expire_orphans()
 
     def _check_finite(self, t: torch.Tensor) -> None:
         lo, hi = torch.aminmax(t) if t.numel() else (torch.zeros(()), torch.zeros(()))
