@@ -128,7 +128,8 @@ def run(name, args, work, chaos, variant):
             "grace_s_mean": sum(m.get("grace_s", 0.0) for m in merges) / max(1, len(merges)),
             "final_versions": {i: r["stats"].get("version") for i, r in ranks.items()},
             "syncer_version": merges[-1]["version"] if merges else 0,
-            "final_val_loss": {i: r["trace"][-1]["val_loss"] for i, r in ranks.items()}}
+            "final_val_loss": {i: r["trace"][-1]["val_loss"] for i, r in ranks.items()},
+            "delta_files_left": len(list(state.glob("shard*-delta-*.pt")))}
 
 
 FAULTS = {"kill-learner": "learner 1 killed (SIGKILL) {a.kill_at:g} s after the first merge, relaunched "
@@ -156,8 +157,8 @@ def render(pairs, args, argv) -> str:
              f"{FAULTS[args.fault].format(a=args)} Variant: `adopt` : the up-link's dtype, then the fault.\n",
              "| variant | run | wall s | merges | inner steps merged | goodput (steps/s) | longest pause 0/1/2 (s) | "
              "mean inner step 0/1/2 (s) | up-link bytes per period | final versions 0/1/2 (syncer) | exit codes | "
-             "load average before/after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Δ slices left in state_dir | load average before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for free, chaos, goodput in pairs:
         for r in (free, chaos):
             waits = "/".join("%.3f" % r["max_wait_s"][i] for i in range(3))
@@ -167,7 +168,7 @@ def render(pairs, args, argv) -> str:
             lines.append(f"| {r['variant']} | {r['name']} | {r['wall_s']:.1f} | {r['merges']} | "
                          f"{r['merged_inner_steps']} | {r['goodput_steps_per_s']:.2f} | {waits} | {steps} | "
                          f"{r['uplink_bytes_per_period'][0]:,.0f} | {versions} ({r['syncer_version']}) | {codes} | "
-                         f"{r['load'][0]:.1f}/{r['load'][1]:.1f} |")
+                         f"{r.get('delta_files_left', '-')} | {r['load'][0]:.1f}/{r['load'][1]:.1f} |")
     lines += ["", "| variant | goodput, chaos / failure-free, whole run; window; window, learners 0 and 2 (goal "
                   ">= 0.97) | longest pause of "
                   "learners 0 and 2, chaos run (inner steps; goal <= 1) | that pause: send / wait for the merge / "

@@ -9,8 +9,10 @@ The GPT of ``decoupled_worker.py`` on 3 CPU ranks in all (gloo). The slow rank's
 * barrier: the fleet on ``acco-ds syncer --shards 2`` with K = 2 and ``grace_s`` 0, so every merge waits for both
   learners: DiLoCo with each learner weighed by its tokens (``tests/test_decoupled_sizes.py``);
 * decoupled: the same fleet with K = 1 (Delayed Nesterov, N = 2): no learner waits for the other;
-* apart: the two learners side by side, each on a syncer of its own (K = 1): they share the machine's 2 cores
-  but no merge, so the fast learner's tokens/s there is its solo rate on this machine;
+* apart: the two learners side by side, each on a syncer of its own (K = 1, ``grace_s`` 0): they share the machine's
+  2 cores but no merge, so the fast learner's tokens/s there is its solo rate on this machine. Apart and decoupled
+  run in pairs, back to back, for each ``--adopt`` mode and ``--repeats`` times (every other pair decoupled first);
+  each decoupled run is compared with the apart run of its pair;
 * A-EDiT (``edit`` syncing every ``--sync-time-s`` seconds): replicas must be of one size there, so its fleet is
   3 one-rank replicas, the slow one included: the same ranks and data, grouped otherwise.
 
@@ -21,7 +23,7 @@ learners train for ``--seconds`` of training time. Each learner declares its tok
 evaluates the model its users read every few seconds; the time to the target is interpolated on that trace.
 Writes ``benchmarks/results/decoupled_fleet.{json,md}``.
 
-    python benchmarks/decoupled_fleet.py [--stock-steps 40] [--seconds 40]
+    python benchmarks/decoupled_fleet.py [--stock-steps 40] [--seconds 40] [--adopt wait overlap] [--repeats 1]
 """
 
 import argparse
@@ -137,19 +139,28 @@ def row(run, target, solo_rate=None):
 
 
 def paired_runs(args, workdir, target):
-    """For each ``adopt`` and repeat: the fleet apart (the fast learner's solo rate) then on one syncer (K = 1),
-    back to back, so that each ratio compares two runs under the same moment's load."""
+    """For each ``adopt`` and repeat: the fleet apart (the fast learner's solo rate) and on one syncer (K = 1), back
+    to back, so that each ratio compares two runs under the same moment's load; every other repeat runs the pair
+    the other way round, so that a drift of the machine's speed does not favour one side."""
     H, rows = args.sync_every, []
     for repeat in range(args.repeats):
         for adopt in args.adopt:
             local = {"sync_every": H, "min_quorum": 1, "adopt": adopt}
             tag = f"{adopt}, run {repeat + 1}"
-            apart = fleet(f"apart-{adopt}-{repeat}", {**local, "grace_s": 0}, args, workdir, apart=True)
-            one = fleet(f"decoupled-{adopt}-{repeat}", {**local, "grace_s": "auto", "staleness": "delayed_nesterov",
-                                                       "nesterov_delay": 2}, args, workdir)
-            solo = row(apart, target)["fast_tokens_per_s"]
-            rows += [{**row(apart, target, solo), "run": f"apart ({tag})"},
-                     {**row(one, target, solo), "run": f"decoupled ({tag})"}]
+
+            def apart():
+                return fleet(f"apart-{adopt}-{repeat}", {**local, "grace_s": 0}, args, workdir, apart=True)
+
+            def one():
+                return fleet(f"decoupled-{adopt}-{repeat}", {**local, "grace_s": "auto", "staleness":
+                             "delayed_nesterov", "nesterov_delay": 2}, args, workdir)
+            if repeat % 2 == 0:
+                alone, shared = apart(), one()
+            else:
+                shared, alone = one(), apart()
+            solo = row(alone, target)["fast_tokens_per_s"]
+            rows += [{**row(alone, target, solo), "run": f"apart ({tag})"},
+                     {**row(shared, target, solo), "run": f"decoupled ({tag})"}]
     return rows
 
 
@@ -161,7 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-time-s", type=float, default=4.0)
     ap.add_argument("--syncs", type=int, default=10, help="A-EDiT's syncs")
     ap.add_argument("--adopt", nargs="+", default=["wait", "overlap"], choices=["wait", "overlap"])
-    ap.add_argument("--repeats", type=int, default=1, help="apart/decoupled pairs per adopt mode")
+    ap.add_argument("--repeats", type=int, default=1, help="apart/decoupled pairs per adopt mode (every other "
+                    "one runs decoupled first)")
     ap.add_argument("--out", default=str(HERE / "results" / "decoupled_fleet"))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
@@ -192,7 +204,7 @@ def main(argv=None) -> int:
                      f"{r['merges'] if r['merges'] is not None else '-'} | {wait} |")
     text = "\n".join([f"Target (stock ZeRO-1's final validation loss): {target:.3f}. {meta['machine']}, "
                       f"{meta['date']}, `{meta['command']}`. \"vs apart\": the fast learner's tokens/s over the apart "
-                      "run just before it (barrier and A-EDiT: over the first apart run with adopt wait).", ""]
+                      "run of its pair (barrier and A-EDiT: over the first apart run with adopt wait).", ""]
                      + lines) + "\n"
     Path(args.out + ".md").write_text(text)
     print(text)
