@@ -17,6 +17,7 @@ import time
 
 import torch
 
+
 def durable_write(path: str, write) -> None:
     """``write(file)`` into ``path`` through a temporary file: fsync the file, rename it, fsync the folder, so that a
     crash leaves the old file or the new one, never a torn one."""
@@ -106,7 +107,7 @@ class HeldDeltas:
         """Shard 0 at its start: the learners of the slices on disk that no logged decision names."""
         if self.state_dir is None or self.index != 0:
             return
-        named = {m for members in self.decided.values() for m in members}
+        named = self._decided_slices()
         for path in glob.glob(self._path(f"shard{self.index}-delta-*.pt")):
             key = _key_of(path)
             if key is not None and key not in named:
@@ -126,11 +127,15 @@ class HeldDeltas:
                 self.dropped_orphans.append((learner, incarnation))
                 self._drop(learner, incarnation)
 
+    def _decided_slices(self) -> set:
+        """(learner, incarnation, base) of every slice a decision not applied yet names."""
+        return {m for members in self.decided.values() for m in members}
+
     def _forget_all(self, learner: int, incarnation: int) -> None:
         """Remove this shard's slices of a dropped learner (incarnation), except those a decision still names."""
         if self.state_dir is None:
             return
-        named = {m for members in self.decided.values() for m in members}
+        named = self._decided_slices()
         for path in glob.glob(self._path(f"shard{self.index}-delta-{learner}-{incarnation}-*.pt")):
             key = _key_of(path)
             if key is not None and key not in named:
